@@ -1,0 +1,256 @@
+"""Run configuration: nested dataclasses, named presets, dotted `key=value` overrides.
+
+A run is described by one `Config`; its JSON form is saved beside every checkpoint so that
+`from_pretrained` rebuilds the same model and `sample.py` knows how it was trained.
+
+    cfg = get_preset("tiny")
+    cfg = apply_overrides(cfg, ["memory.structure=cross_attention", "train.max_steps=200"])
+    cfg.validate()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or out of range."""
+
+
+@dataclass
+class DiffusionConfig:
+    """Noise tables come from a diffusers scheduler; levels 0..num_levels, 0 = clean, K = pure noise."""
+
+    num_levels: int = 1000  # K; level k >= 1 is diffusers timestep k - 1
+    beta_schedule: str = "squaredcos_cap_v2"  # any diffusers beta_schedule: linear, scaled_linear, sigmoid, ...
+    prediction_type: str = "v_prediction"
+    eta: float = 0.0  # sampling: 0 = DDIM, 1 = DDPM-like ancestral
+
+    def validate(self) -> None:
+        _check(self.num_levels >= 2, "diffusion.num_levels", self.num_levels, "must be >= 2")
+        _check(self.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"),
+               "diffusion.beta_schedule", self.beta_schedule,
+               "must be one of linear, scaled_linear, squaredcos_cap_v2, sigmoid")
+        _check(self.prediction_type == "v_prediction", "diffusion.prediction_type", self.prediction_type,
+               "only v_prediction is supported")
+        _check(0.0 <= self.eta <= 1.0, "diffusion.eta", self.eta, "must be in [0, 1]")
+
+
+@dataclass
+class ModelConfig:
+    """The spatio-temporal denoiser (pixel space, patchified)."""
+
+    image_size: int = 64
+    channels: int = 3
+    patch_size: int = 8
+    dim: int = 128
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    num_actions: int = 18  # Memory Maze has 6, Crafter 17
+    frames_per_chunk: int = 1  # c: frames that see each other; serves schedules whose delta is a multiple of c
+    temporal_attention: str = "factorized"  # "factorized" (per spatial position) or "full" (all tokens)
+
+    def validate(self) -> None:
+        _check(self.image_size > 0 and self.image_size % self.patch_size == 0, "model.image_size",
+               self.image_size, f"must be a positive multiple of model.patch_size={self.patch_size}")
+        _check(self.dim % self.heads == 0, "model.dim", self.dim, f"must be divisible by model.heads={self.heads}")
+        _check(self.depth >= 1, "model.depth", self.depth, "must be >= 1")
+        _check(self.num_actions >= 1, "model.num_actions", self.num_actions, "must be >= 1")
+        _check(self.frames_per_chunk >= 1, "model.frames_per_chunk", self.frames_per_chunk, "must be >= 1")
+        _check(self.temporal_attention in ("factorized", "full"), "model.temporal_attention",
+               self.temporal_attention, "must be 'factorized' or 'full'")
+
+
+@dataclass
+class MemoryConfig:
+    """How the past reaches the network (paper: prepend / channel concat / cross-attention)."""
+
+    structure: str = "prepend"  # prepend | channel_concat | cross_attention
+    length: int = 8  # m: past frames the bank keeps (under `retention`)
+    compressor: str = "none"  # none | joint | modulated
+    budget: int = 0  # B latent frames after compression; 0 = no compression (B = m)
+    retention: str = "last"  # all | last | sink_recent
+    sink: int = 0  # s, for sink_recent
+    recent: int = 0  # r, for sink_recent
+
+    def validate(self) -> None:
+        _check(self.structure in ("prepend", "channel_concat", "cross_attention"), "memory.structure",
+               self.structure, "must be prepend, channel_concat or cross_attention")
+        _check(self.length >= 0, "memory.length", self.length, "must be >= 0")
+        _check(self.compressor in ("none", "joint", "modulated"), "memory.compressor", self.compressor,
+               "must be none, joint or modulated")
+        _check(self.retention in ("all", "last", "sink_recent"), "memory.retention", self.retention,
+               "must be all, last or sink_recent")
+        if self.compressor != "none":
+            _check(1 <= self.budget <= self.length, "memory.budget", self.budget,
+                   f"must be in 1..memory.length={self.length} when memory.compressor={self.compressor}")
+        else:
+            _check(self.budget in (0, self.length), "memory.budget", self.budget,
+                   "needs memory.compressor=joint|modulated (budget 0 = keep all m raw frames)")
+        if self.retention == "sink_recent":
+            _check(self.sink >= 0 and self.recent >= 1 and self.sink + self.recent <= max(self.length, 1),
+                   "memory.sink/recent", (self.sink, self.recent),
+                   f"need sink >= 0, recent >= 1 and sink + recent <= memory.length={self.length}")
+
+
+@dataclass
+class DataConfig:
+    path: str = "datasets/memory_maze"  # a TECO-layout folder with training/ and validation/
+    env: str = "memory_maze"  # generator used when `path` is absent: memory_maze | crafter
+    generate_episodes: int = 24
+    generate_length: int = 128
+    generate_policy: str = "revisit"
+    frame_skip: int = 1
+    resize: int = 0  # 0 = native resolution
+    num_workers: int = 0
+    skip_bad_files: bool = False
+
+    def validate(self) -> None:
+        _check(self.env in ("memory_maze", "crafter"), "data.env", self.env, "must be memory_maze or crafter")
+        _check(self.frame_skip >= 1, "data.frame_skip", self.frame_skip, "must be >= 1")
+        _check(self.resize >= 0, "data.resize", self.resize, "must be >= 0")
+
+
+@dataclass
+class TrainConfig:
+    window: int = 8  # w: frames the denoiser sees at once (the schedule's window)
+    batch_size: int = 8
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    max_steps: int = 2000
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+    log_every: int = 10
+    val_every: int = 250
+    val_batches: int = 4
+    sample_every: int = 1000  # 0 = never
+    ckpt_every: int = 250
+    keep_checkpoints: int = 2
+    seed: int = 0
+    bf16: bool = True  # autocast on CUDA only
+
+    def validate(self) -> None:
+        _check(self.window >= 1, "train.window", self.window, "must be >= 1")
+        _check(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
+        _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _check(self.max_steps >= 1, "train.max_steps", self.max_steps, "must be >= 1")
+        _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
+        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    preset: str = "tiny"
+
+    def validate(self) -> "Config":
+        for part in (self.model, self.memory, self.diffusion, self.data, self.train):
+            part.validate()
+        _check(self.train.window % self.model.frames_per_chunk == 0, "train.window", self.train.window,
+               f"must be a multiple of model.frames_per_chunk={self.model.frames_per_chunk}")
+        return self
+
+    # -- (de)serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        cfg = cls()
+        for section, values in d.items():
+            if not hasattr(cfg, section):
+                raise ConfigError(f"unknown config section {section!r}")
+            if isinstance(values, dict):
+                for k, v in values.items():
+                    _set(cfg, f"{section}.{k}", v)
+            else:
+                setattr(cfg, section, values)
+        return cfg
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Runs on a 2-core laptop CPU in minutes: 64x64 frames, 8-frame window, 8 memory frames.
+    "tiny": {},
+    # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
+    "paper": {
+        "model.patch_size": 4, "model.dim": 512, "model.depth": 12, "model.heads": 8,
+        "model.temporal_attention": "full",
+        "memory.length": 48,
+        "train.window": 16, "train.batch_size": 32, "train.lr": 1e-4, "train.warmup_steps": 2000,
+        "train.max_steps": 200_000, "train.val_every": 2000, "train.sample_every": 10_000,
+        "train.ckpt_every": 2000, "train.ema_decay": 0.9999,
+        "data.generate_episodes": 2000, "data.generate_length": 300, "data.num_workers": 8,
+    },
+}
+
+
+def get_preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    cfg = Config(preset=name)
+    for key, value in PRESETS[name].items():
+        _set(cfg, key, value)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `section.key=value` strings (values parsed as JSON when they parse, else as strings)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        _set(cfg, key.strip(), value)
+    return cfg
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"config key {key!r} must be section.name, e.g. memory.length")
+    section, name = parts
+    obj = getattr(cfg, section, None)
+    if obj is None or not dataclasses.is_dataclass(obj):
+        sections = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
+        raise ConfigError(f"unknown config section {section!r} in {key!r}; sections: {sections}")
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if name not in fields:
+        raise ConfigError(f"unknown config key {key!r}; {section} has {sorted(fields)}")
+    current = getattr(obj, name)
+    if isinstance(current, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        ok = isinstance(value, bool)
+    elif isinstance(current, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(current, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(current, str):
+        value = str(value) if not isinstance(value, (dict, list)) else value
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        raise ConfigError(f"config key {key!r} expects {type(current).__name__}, got {value!r}")
+    setattr(obj, name, value)
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} {why}")
