@@ -1,0 +1,63 @@
+"""Video files: tensors in [-1, 1] to uint8 frames, side-by-side ground truth | generated, mp4/gif.
+
+Every file is written under a temporary name in its folder and renamed, so a killed run never leaves a
+half-written video where a finished one is expected.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def to_uint8(video: torch.Tensor) -> np.ndarray:
+    """(..., T, C, H, W) float in [-1, 1] -> (..., T, H, W, C) uint8 (TECO's on-disk layout)."""
+    x = ((video.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)  # (..., T, C, H, W)
+    return x.movedim(-3, -1).cpu().numpy()  # (..., T, H, W, C)
+
+
+def side_by_side(real: torch.Tensor, fake: torch.Tensor, scale: int = 2, gap: int = 2) -> np.ndarray:
+    """Ground truth left, generated right, one episode per row: (B, T, C, H, W) x2 -> (T, H', W', 3) uint8."""
+    if real.shape != fake.shape:
+        raise ValueError(f"side_by_side: real {tuple(real.shape)} and fake {tuple(fake.shape)} differ")
+    r, f = to_uint8(real), to_uint8(fake)  # (B, T, H, W, 3)
+    b, t, h, w, c = r.shape
+    canvas = np.full((t, b * (h + gap) - gap, 2 * w + gap, c), 255, np.uint8)  # white separators
+    for i in range(b):
+        y = i * (h + gap)
+        canvas[:, y:y + h, :w] = r[i]
+        canvas[:, y:y + h, w + gap:] = f[i]
+    if scale > 1:  # nearest-neighbour upscaling keeps 64x64 frames readable in a player
+        canvas = canvas.repeat(scale, axis=1).repeat(scale, axis=2)
+    return canvas
+
+
+def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Path:
+    """Write (T, H, W, 3) uint8 frames as .mp4 (libx264 via imageio-ffmpeg) or .gif, atomically."""
+    import imageio.v2 as imageio
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
+    try:
+        if path.suffix == ".gif":
+            imageio.mimsave(tmp, list(frames), duration=1000 / fps, loop=0)
+        else:
+            # H.264 needs even sizes; macro_block_size=1 stops imageio from resizing behind our back
+            t, h, w, c = frames.shape
+            frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), constant_values=255)
+            with imageio.get_writer(tmp, fps=fps, codec="libx264", macro_block_size=1, quality=8,
+                                    pixelformat="yuv420p") as writer:
+                for frame in frames:
+                    writer.append_data(frame)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,246 @@
+"""Rollout: model calls follow the schedule's rows, commits are in order, cached == recomputing."""
+
+import pytest
+import torch
+
+from arvdm.config import Config, DiffusionConfig
+from arvdm.diffusion import PerFrameDiffusion
+from arvdm.pipeline import rollout
+from arvdm.schedules import chunked, fifo, from_matrix, pyramid
+
+K = 100
+DIFF = PerFrameDiffusion(DiffusionConfig(num_levels=K))
+
+
+class StubModel:
+    """A causal stand-in for `Denoiser` with the same API and a hand-written memory.
+
+    v is a fixed function of the window, its levels and actions, the mean of the remembered past frames and
+    the window's absolute start. The cached path keeps its own list of committed frames and applies the
+    retention by hand ("all" or "last m"), independently of the `memory` package the pipeline uses for the
+    uncached path, so agreement between the two paths checks the pipeline's bookkeeping.
+    """
+
+    def __init__(self, retention="all", length=8, frames_per_chunk=1):
+        self.cfg = Config()
+        self.cfg.memory.retention, self.cfg.memory.length = retention, length
+        self.cfg.model.frames_per_chunk = frames_per_chunk
+        self.frames_per_chunk = frames_per_chunk
+        self.calls, self.commits = [], []
+
+    def check_schedule(self, delta, window):
+        if delta % self.frames_per_chunk:
+            raise ValueError(f"stub: delta={delta} not a multiple of {self.frames_per_chunk}")
+
+    def init_state(self, batch_size):
+        return {"frames": [], "actions": []}
+
+    def commit(self, state, frames, actions):
+        self.commits.append((frames.clone(), actions.clone()))
+        state["frames"].append(frames.clone())
+        state["actions"].append(actions.clone())
+
+    def __call__(self, x, levels, actions, memory=None, state=None):
+        assert (memory is None) or (state is None)
+        if state is not None:
+            past = torch.cat(state["frames"], 1) if state["frames"] else x[:, :0]
+            start = past.shape[1]
+            if self.cfg.memory.retention == "last":
+                past = past[:, max(0, start - self.cfg.memory.length):]
+            mode = "state"
+        else:
+            past = memory.frames if memory is not None else x[:, :0]
+            start = memory.window_start if memory is not None else 0
+            mode = "memory"
+        self.calls.append({"mode": mode, "levels": levels.clone(), "actions": actions.clone(),
+                           "n_past": past.shape[1], "start": start})
+        mem = past.mean(1, keepdim=True) if past.shape[1] else torch.zeros_like(x[:, :1])  # (B,1,C,H,W)
+        lv = levels.to(x.dtype)[..., None, None, None] / K
+        act = actions.to(x.dtype)[..., None, None, None]
+        return 0.8 * x - 0.5 * mem + 0.3 * lv + 0.01 * act + 0.002 * start  # (B,w,C,H,W)
+
+
+def inputs(b=2, n_ctx=2, n_frames=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.rand(b, n_ctx, 1, 4, 4, generator=g) * 2 - 1
+    ctx_act = torch.randint(0, 5, (b, n_ctx), generator=g)
+    act = torch.randint(0, 5, (b, n_frames), generator=g)
+    return ctx, ctx_act, act
+
+
+def run(model, sched, n_frames=7, seed=0, **kw):
+    ctx, ctx_act, act = inputs(n_frames=n_frames)
+    kw.setdefault("progress", False)
+    return rollout(model, DIFF, sched, ctx, ctx_act, act, n_frames, generator=torch.Generator().manual_seed(seed),
+                   **kw)
+
+
+SCHEDULES = {
+    "chunked": chunked(3, K, 4),
+    "fifo": fifo(3, K, 2),
+    "pyramid": pyramid(3, K, 3, stagger=1),
+    "custom": from_matrix([[50, 50, 100, 100], [25, 25, 75, 75], [0, 0, 50, 50]], 2, K),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("n_frames", [1, 7])
+def test_model_calls_follow_the_schedule_rows(name, n_frames):
+    sched, model = SCHEDULES[name], StubModel()
+    out = run(model, sched, n_frames=n_frames)
+    assert out.shape == (2, n_frames, 1, 4, 4)
+    n_ar = -(-n_frames // sched.delta)
+    init, S = sched.init_matrix().tolist(), sched.matrix.tolist()
+    expected = init[:-1] + S[:-1] * n_ar  # the levels each call starts from, in order
+    assert len(model.calls) == sched.init_steps + n_ar * sched.num_steps == len(expected)
+    for call, row in zip(model.calls, expected):
+        assert call["levels"].tolist() == [row, row]  # (B, w): every batch element at the schedule's row
+        assert call["levels"].dtype == torch.int64
+
+
+def test_calls_per_ar_step_and_window_position():
+    sched, model = fifo(3, K, 2), StubModel()
+    run(model, sched, n_frames=5)
+    init_calls, ar_calls = model.calls[:sched.init_steps], model.calls[sched.init_steps:]
+    assert len(ar_calls) == 5 * sched.num_steps
+    assert all(c["start"] == 2 for c in init_calls)  # 2 context frames committed before the window
+    # M = 2 calls per AR step, each AR step one frame further
+    assert [c["start"] for c in ar_calls] == [2 + a for a in range(5) for _ in range(2)]
+
+
+@pytest.mark.parametrize("name", ["chunked", "fifo", "custom"])
+def test_frames_committed_in_order_with_their_actions(name):
+    sched, model = SCHEDULES[name], StubModel()
+    ctx, ctx_act, act = inputs(n_frames=7)
+    out = run(model, sched, n_frames=7)  # 7 is not a multiple of delta = 3 (chunked) or 2 (custom)
+    frames = torch.cat([f for f, _ in model.commits], 1)
+    acts = torch.cat([a for _, a in model.commits], 1)
+    n_ar, d = -(-7 // sched.delta), sched.delta
+    # context, then every AR step's finished frames but the last step's (nothing reads them again)
+    assert [f.shape[1] for f, _ in model.commits] == [2] + [d] * (n_ar - 1)
+    assert torch.equal(frames, torch.cat([ctx, out[:, :(n_ar - 1) * d]], 1))
+    assert torch.equal(acts, torch.cat([ctx_act, act[:, :(n_ar - 1) * d]], 1))
+
+
+@pytest.mark.parametrize("name", ["chunked", "fifo"])
+def test_window_actions_are_padded_with_the_last_action(name):
+    sched, model = SCHEDULES[name], StubModel()
+    _, _, act = inputs(n_frames=7)
+    run(model, sched, n_frames=7)
+    w, d = sched.window, sched.delta
+    padded = torch.cat([act, act[:, -1:].repeat(1, 20)], 1)
+    ar_calls = model.calls[sched.init_steps:]
+    for i, c in enumerate(ar_calls):
+        off = (i // sched.num_steps) * d
+        assert torch.equal(c["actions"], padded[:, off:off + w])
+    assert (ar_calls[-1]["actions"][:, -1] == act[:, -1]).all()  # past the end: last action repeated
+    assert ar_calls[-1]["actions"].shape[1] + (len(ar_calls) // sched.num_steps - 1) * d > 7
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("retention, eta", [("all", 0.0), ("last", 0.0), ("last", 0.7)])
+def test_cached_and_uncached_agree_for_the_stub(name, retention, eta):
+    sched = SCHEDULES[name]
+    cached, recomputed = StubModel(retention, length=3), StubModel(retention, length=3)
+    a = run(cached, sched, eta=eta, use_cache=True)
+    b = run(recomputed, sched, eta=eta, use_cache=False)
+    assert {c["mode"] for c in cached.calls} == {"state"} and {c["mode"] for c in recomputed.calls} == {"memory"}
+    assert [c["n_past"] for c in cached.calls] == [c["n_past"] for c in recomputed.calls]
+    assert [c["start"] for c in cached.calls] == [c["start"] for c in recomputed.calls]
+    if retention == "last":
+        assert max(c["n_past"] for c in recomputed.calls) == 3
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_deterministic_given_the_generator_and_eta_draws_noise():
+    sched = SCHEDULES["fifo"]
+    a, b = run(StubModel(), sched, seed=1, eta=0.5), run(StubModel(), sched, seed=1, eta=0.5)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, run(StubModel(), sched, seed=2, eta=0.5))
+    assert not torch.allclose(a, run(StubModel(), sched, seed=1, eta=0.0))
+
+
+def test_return_intermediate_records_every_call():
+    sched, model = SCHEDULES["fifo"], StubModel()
+    out, steps = run(model, sched, n_frames=4, return_intermediate=True)
+    assert len(steps) == len(model.calls) == sched.num_calls(4)
+    assert [s.stage for s in steps[:sched.init_steps]] == ["init"] * sched.init_steps
+    for s, c in zip(steps, model.calls):
+        assert torch.equal(s.levels_from.expand(2, -1), c["levels"])
+    assert steps[-1].levels_to.tolist() == sched.t_out.tolist() and steps[-1].frame_offset == 3
+    assert torch.equal(steps[-1].x[:, 0], out[:, 3])  # the last emitted frame is the window's first
+    assert steps[0].x0.shape == (2, 3, 1, 4, 4)
+
+
+def test_bad_inputs_raise():
+    model, sched = StubModel(frames_per_chunk=2), SCHEDULES["custom"]  # delta 2: servable
+    ctx, ctx_act, act = inputs(n_ctx=3)
+    with pytest.raises(ValueError, match="multiple of model.frames_per_chunk=2"):
+        rollout(model, DIFF, sched, ctx, ctx_act, act, 7, progress=False)
+    with pytest.raises(ValueError, match="not a multiple of 2"):  # the model's own refusal
+        rollout(model, DIFF, SCHEDULES["fifo"], ctx[:, :2], ctx_act[:, :2], act, 7, progress=False)
+    with pytest.raises(ValueError, match=r"actions must be \(B, >= n_frames\)"):
+        rollout(StubModel(), DIFF, sched, ctx, ctx_act, act, 8, progress=False)
+    with pytest.raises(ValueError, match="K=1000 levels but the diffusion has num_levels=100"):
+        rollout(StubModel(), DIFF, fifo(3, 1000), ctx, ctx_act, act, 7, progress=False)
+    with pytest.raises(ValueError, match=r"context_actions must be \(B, C\)"):
+        rollout(StubModel(), DIFF, sched, ctx, ctx_act[:, :1], act, 7, progress=False)
+
+
+def test_no_context_and_progress_bar(capsys):
+    sched, model = SCHEDULES["chunked"], StubModel()
+    ctx, ctx_act, act = inputs(n_ctx=0, n_frames=4)
+    out = rollout(model, DIFF, sched, ctx, ctx_act, act, 4, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 4, 1, 4, 4) and model.calls[0]["n_past"] == 0
+    assert "rollout (chunked)" in capsys.readouterr().err
+
+
+# -- the real denoiser -------------------------------------------------------------------------------------
+@pytest.fixture
+def one_thread():
+    # Tiny matrices: on a shared 2-core machine, intra-op threads cost far more than they give (~40x here).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_denoiser(temporal_attention="factorized", frames_per_chunk=1):
+    model_mod = pytest.importorskip("arvdm.model")
+    cfg = Config()
+    m = cfg.model
+    m.image_size, m.patch_size, m.dim, m.depth, m.heads, m.num_actions = 16, 4, 32, 2, 4, 6
+    m.temporal_attention, m.frames_per_chunk = temporal_attention, frames_per_chunk
+    cfg.memory.retention, cfg.memory.structure = "all", "prepend"
+    cfg.diffusion.num_levels = K
+    torch.manual_seed(0)
+    model = model_mod.Denoiser(cfg).eval()
+    # The output layer and the AdaLN gates start at zero (v = 0 whatever the memory): randomise every
+    # weight so that the past actually changes the prediction.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("sched, form, chunk", [
+    (chunked(4, K, 3), "factorized", 1),
+    (fifo(4, K, 1), "factorized", 1),
+    (fifo(4, K, 1), "full", 1),
+    (from_matrix([[50, 50, 100, 100], [0, 0, 50, 50]], 2, K), "factorized", 2),
+], ids=["chunked", "fifo", "fifo-full", "delta2-chunk2"])
+def test_real_denoiser_kv_cached_rollout_equals_recomputing(sched, form, chunk, one_thread):
+    model = tiny_denoiser(form, chunk)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.rand(1, 2, 3, 16, 16, generator=g) * 2 - 1
+    ctx_act, act = torch.randint(0, 6, (1, 2), generator=g), torch.randint(0, 6, (1, 6), generator=g)
+
+    def go(use_cache, context=ctx):
+        return rollout(model, DIFF, sched, context, ctx_act, act, 6, eta=0.3, use_cache=use_cache,
+                       generator=torch.Generator().manual_seed(1), progress=False)
+
+    cached, recomputed = go(True), go(False)
+    assert cached.dtype == torch.float32 and cached.shape == (1, 6, 3, 16, 16)
+    assert (cached - recomputed).abs().max() < 1e-4
+    # and the comparison is not vacuous: the past does change what is generated
+    assert (go(True, -ctx) - cached).abs().max() > 1e-2
