@@ -1,0 +1,723 @@
+"""The denoiser: a spatio-temporal DiT in pixel space with chunked temporal attention and memory.
+
+    model = Denoiser(cfg)                                    # cfg: arvdm.config.Config
+    v = model(x, levels, actions, memory=MemoryFrames(...))  # training / uncached rollout
+    state = model.init_state(batch_size)                     # cached rollout
+    model.commit(state, clean_frames, their_actions)         # frames leave the window
+    v = model(x, levels, actions, state=state)
+
+Architecture (DiT with factorised space/time attention, v-prediction):
+
+    x (B,T,C,H,W) --patchify--> tokens (B,T,N,D) + learned 2-D position embedding
+    cond (B,T,D)  = MLP(sinusoidal(level / K)) + action embedding     (one vector per frame)
+    depth x Block, each sublayer pre-norm, AdaLN-Zero modulated by the frame's cond:
+        spatial attention   within each frame (N tokens, plain SDPA)
+        temporal attention  block-causal over frames (kernels.chunked_attention), RoPE on the
+                            absolute frame index; "factorized": per spatial position (tokens_per_frame
+                            = 1), "full": all tokens of all frames in one sequence (tokens_per_frame = N)
+        cross attention     only for memory.structure = cross_attention: window tokens -> memory tokens
+        MLP
+    final AdaLN + linear (zero-init, so training starts from v = 0) --unpatchify--> v (B,T,C,H,W)
+
+Memory (memory.structure), from m raw frames or B compressed latent frames (memory.compressor):
+    prepend         memory frames/latents are a level-0 prefix of the temporal attention
+    channel_concat  memory tokens concatenated along channels -> linear -> added to every window token
+    cross_attention an extra AdaLN-gated cross-attention sublayer per block
+
+Cached rollouts (`init_state` / `commit`) keep, per layer, the keys/values of committed frames
+(prepend), or the memory projection / cross-attention K/V (the other structures), so a denoising step
+costs O(window + memory). See docs/sections/model_memory.md for the cache semantics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+import kernels
+from arvdm.config import Config, ConfigError
+from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy, build_compressor
+from memory.compress import sinusoidal
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+__all__ = ["CheckpointError", "Denoiser", "DenoiserError", "MemoryFrames", "RolloutState"]
+
+
+class DenoiserError(ValueError):
+    """An input to the denoiser has the wrong shape/range, or a schedule it cannot serve."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, corrupt, or does not match the model its config describes."""
+
+
+# ------------------------------------------------------------------------------------------------
+# small pieces
+# ------------------------------------------------------------------------------------------------
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """AdaLN: x (B,T,N,D) scaled/shifted per frame by shift, scale (B,T,D)."""
+    return x * (1 + scale[:, :, None]) + shift[:, :, None]
+
+
+class LevelEmbedding(nn.Module):
+    """Noise level (B,T) int in 0..K -> (B,T,D): sinusoidal(level * 1000 / K) -> MLP (DiT's t-embedder).
+
+    Rescaling to 0..1000 keeps the sinusoid frequencies meaningful whatever K is.
+    """
+
+    def __init__(self, dim: int, num_levels: int, freq_dim: int = 256):
+        super().__init__()
+        self.num_levels, self.freq_dim = num_levels, freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, levels: torch.Tensor) -> torch.Tensor:
+        t = levels.float() * (1000.0 / self.num_levels)  # (B,T)
+        return self.mlp(sinusoidal(t, self.freq_dim))  # (B,T,freq) -> (B,T,D)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding over the absolute frame index (one angle set per frame).
+
+    Keys are rotated once, when computed, so a cached key keeps its position and q.k depends only on
+    the frame distance: a rollout longer than training slides without recomputing the cache.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (hd/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ang = positions.float()[:, None] * self.inv_freq.to(positions.device)  # (L, hd/2)
+        ang = torch.cat([ang, ang], dim=-1)  # (L, hd)
+        return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B,T,N,H,hd) by the per-frame angles cos, sin (T,hd)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)  # rotate_half
+    cos, sin = cos[None, :, None, None].to(x.dtype), sin[None, :, None, None].to(x.dtype)  # (1,T,1,1,hd)
+    return x * cos + rot * sin
+
+
+class SpatialAttention(nn.Module):
+    """Self-attention among the N tokens of each frame (frames never mix here)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, n, d = x.shape
+        q, k, v = self.qkv(x).view(b * t, n, 3, self.heads, d // self.heads).unbind(2)  # (B*T,N,H,hd)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.proj(o.transpose(1, 2).reshape(b, t, n, d))  # (B*T,H,N,hd) -> (B,T,N,D)
+
+
+class TemporalAttention(nn.Module):
+    """Block-causal attention across frames through `kernels.chunked_attention`.
+
+    The frames of `x` are `n_prefix` prefix frames (memory, latents or frames being committed) followed
+    by window frames. Keys are `past` (cached, already rotated) + the prefix + the window:
+      - prefix queries see the past and the prefix (chunked by `prefix_chunk`), never the window;
+      - window queries see everything before them and their own chunk (`frames_per_chunk`).
+    `streaming = (sink, recent)` makes this layer a streaming layer (the hybrid-attention layout).
+    Returns the output and this call's (K, V) in the kernel layout, for a caller that caches them.
+    """
+
+    def __init__(self, dim: int, heads: int, form: str, frames_per_chunk: int):
+        super().__init__()
+        self.heads, self.form, self.frames_per_chunk = heads, form, frames_per_chunk
+        self.streaming: tuple[int, int] | None = None
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def _to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, n, h, hd = x.shape
+        if self.form == "factorized":  # sequences of frames at each spatial position
+            return x.permute(0, 2, 3, 1, 4).reshape(b * n, h, t, hd)  # (B*N,H,T,hd)
+        return x.permute(0, 3, 1, 2, 4).reshape(b, h, t * n, hd)  # (B,H,T*N,hd), frame-major
+
+    def _from_seq(self, o: torch.Tensor, b: int, t: int, n: int) -> torch.Tensor:
+        h, hd = o.shape[1], o.shape[3]
+        if self.form == "factorized":
+            o = o.view(b, n, h, t, hd).permute(0, 3, 1, 2, 4)  # (B*N,H,T,hd) -> (B,T,N,H,hd)
+        else:
+            o = o.view(b, h, t, n, hd).permute(0, 2, 3, 1, 4)  # (B,H,T*N,hd) -> (B,T,N,H,hd)
+        return o.reshape(b, t, n, h * hd)  # (B,T,N,D)
+
+    def forward(self, x, cos, sin, *, past=None, n_prefix: int = 0, prefix_chunk: int = 1):
+        b, t, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, n, 3, self.heads, d // self.heads).unbind(3)  # (B,T,N,H,hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._to_seq(q), self._to_seq(k), self._to_seq(v)  # (B',H,T*tpf,hd)
+        tpf = 1 if self.form == "factorized" else n
+        n_past = 0 if past is None else past[0].shape[2] // tpf  # frames already in the cache
+        # (a cache filled under another autocast dtype is cast to this call's dtype)
+        keys = k if past is None else torch.cat([past[0].to(k.dtype), k], dim=2)  # (B',H,(P+T)*tpf,hd)
+        vals = v if past is None else torch.cat([past[1].to(v.dtype), v], dim=2)
+        kw = dict(tokens_per_frame=tpf)
+        if self.streaming is not None:
+            kw.update(sink_frames=self.streaming[0], recent_frames=self.streaming[1])
+        outs = []
+        split = n_prefix * tpf
+        if n_prefix > 0:  # prefix frames: the past + the prefix, never the window
+            end = (n_past + n_prefix) * tpf
+            outs.append(kernels.chunked_attention(q[:, :, :split], keys[:, :, :end], vals[:, :, :end],
+                                                  frames_per_chunk=prefix_chunk, q_frame_offset=n_past, **kw))
+        if n_prefix < t:  # window frames: everything earlier + their own chunk
+            outs.append(kernels.chunked_attention(q[:, :, split:], keys, vals, frames_per_chunk=self.frames_per_chunk,
+                                                  q_frame_offset=n_past + n_prefix, **kw))
+        o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B',H,T*tpf,hd)
+        return self.proj(self._from_seq(o, b, t, n)), (k, v)
+
+
+class CrossAttention(nn.Module):
+    """Window tokens (all N of every frame) attend to all memory tokens (L frames x N tokens)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.kv_norm = nn.LayerNorm(dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def memory_kv(self, mem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory tokens (B, L*N, D) -> K, V (B,H,L*N,hd); computed once per commit in a rollout."""
+        b, s, d = mem.shape
+        k, v = self.kv(self.kv_norm(mem)).view(b, s, 2, self.heads, d // self.heads).unbind(2)  # (B,S,H,hd)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, t, n, d = x.shape
+        q = self.q(x).view(b, t * n, self.heads, d // self.heads).transpose(1, 2)  # (B,H,T*N,hd)
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1])  # (B,H,T*N,hd)
+        return self.proj(o.transpose(1, 2).reshape(b, t, n, d))
+
+
+class Block(nn.Module):
+    """Spatial attention, temporal attention, [cross attention], MLP; each AdaLN-Zero modulated."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, form: str, frames_per_chunk: int, cross: bool):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.spatial = SpatialAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False)
+        self.temporal = TemporalAttention(dim, heads, form, frames_per_chunk)
+        self.norm3 = nn.LayerNorm(dim, elementwise_affine=False)
+        hidden = int(dim * mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, dim))
+        self.cross = CrossAttention(dim, heads) if cross else None
+        self.norm4 = nn.LayerNorm(dim, elementwise_affine=False) if cross else None
+        self.n_mod = 12 if cross else 9  # (shift, scale, gate) per sublayer
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, self.n_mod * dim))
+        nn.init.zeros_(self.ada[1].weight)  # AdaLN-Zero: every block starts as the identity
+        nn.init.zeros_(self.ada[1].bias)
+
+    def forward(self, h, cond, cos, sin, *, past=None, n_prefix=0, prefix_chunk=1, cross_kv=None):
+        mods = self.ada(cond).chunk(self.n_mod, dim=-1)  # n_mod x (B,T,D)
+        h = h + mods[2][:, :, None] * self.spatial(modulate(self.norm1(h), mods[0], mods[1]))
+        a, kv = self.temporal(modulate(self.norm2(h), mods[3], mods[4]), cos, sin,
+                              past=past, n_prefix=n_prefix, prefix_chunk=prefix_chunk)
+        h = h + mods[5][:, :, None] * a
+        if self.cross is not None and cross_kv is not None:
+            h = h + mods[11][:, :, None] * self.cross(modulate(self.norm4(h), mods[9], mods[10]), cross_kv)
+        h = h + mods[8][:, :, None] * self.mlp(modulate(self.norm3(h), mods[6], mods[7]))
+        return h, kv
+
+
+class FinalLayer(nn.Module):
+    """AdaLN + linear to patch pixels, zero-initialised so the initial prediction is v = 0."""
+
+    def __init__(self, dim: int, patch_pixels: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
+        self.linear = nn.Linear(dim, patch_pixels)
+        for lin in (self.ada[1], self.linear):
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, h: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.ada(cond).chunk(2, dim=-1)  # (B,T,D) each
+        return self.linear(modulate(self.norm(h), shift, scale))  # (B,T,N,p*p*C)
+
+
+# ------------------------------------------------------------------------------------------------
+# rollout state
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutState:
+    """Everything a cached rollout remembers between AR steps (from `Denoiser.init_state`).
+
+    Attributes:
+        bank: the clean committed frames under the retention policy.
+        caches: per-layer `KVCache` (prepend only; empty list otherwise).
+        batch_size: B of the rollout.
+        memory_vec: channel_concat only: the projected memory (B,N,D) added to every window token.
+        cross_kv: cross_attention only: per layer (K, V) of the memory tokens.
+    """
+
+    bank: MemoryBank
+    caches: list[KVCache] = field(default_factory=list)
+    batch_size: int = 1
+    memory_vec: torch.Tensor | None = None
+    cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def n_committed(self) -> int:
+        """Frames committed so far = absolute frame index of the next window's first frame."""
+        return self.bank.n_committed
+
+    def nbytes(self) -> int:
+        """Bytes of the model-side caches (KV caches, memory projection, cross K/V); not the bank."""
+        total = sum(c.nbytes() for c in self.caches)
+        if self.memory_vec is not None:
+            total += self.memory_vec.numel() * self.memory_vec.element_size()
+        for k, v in self.cross_kv or []:
+            total += (k.numel() + v.numel()) * k.element_size()
+        return total
+
+
+@dataclass
+class _Memory:
+    """Memory as the network sees it: L frames of tokens (raw frames or compressed latents)."""
+
+    tokens: torch.Tensor  # (B,L,N,D)
+    actions: torch.Tensor  # (B,L) (the "no action" index for latents)
+    positions: torch.Tensor  # (L,) absolute frame index used by RoPE
+    ages: torch.Tensor  # (L,) frames between each memory frame and the window (>= 1)
+    latent: bool
+
+
+# ------------------------------------------------------------------------------------------------
+# the denoiser
+# ------------------------------------------------------------------------------------------------
+
+
+class Denoiser(nn.Module):
+    """Spatio-temporal DiT predicting v for a window of frames at per-frame noise levels.
+
+    Args:
+        cfg: the run `Config`; uses `cfg.model`, `cfg.memory` and `cfg.diffusion.num_levels` (K).
+            A deep copy is kept as `self.cfg` and saved by `save_pretrained`.
+    """
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        mc, mem = cfg.model, cfg.memory
+        mc.validate()
+        mem.validate()
+        cfg.diffusion.validate()
+        if (mc.dim // mc.heads) % 2:
+            raise ConfigError(f"model.dim/model.heads = {mc.dim // mc.heads} must be even (temporal RoPE "
+                              "rotates pairs of channels)")
+        if mem.structure in ("cross_attention", "channel_concat") and mem.length == 0:
+            raise ConfigError(f"memory.structure={mem.structure} needs memory.length >= 1 (with 0 memory "
+                              "frames the memory layers would have nothing to read)")
+        if mem.structure == "channel_concat" and mem.compressor == "none" and mem.retention == "all":
+            raise ConfigError("memory.structure=channel_concat with memory.compressor=none has a fixed "
+                              "number of slots (memory.length); memory.retention=all is unbounded: use "
+                              "last or sink_recent, or a compressor")
+        self.cfg = Config.from_dict(cfg.to_dict())  # private copy: later edits to cfg do not leak in
+        self.structure, self.num_levels = mem.structure, cfg.diffusion.num_levels
+        self.frames_per_chunk = mc.frames_per_chunk
+        self.patch, self.channels, self.image_size = mc.patch_size, mc.channels, mc.image_size
+        self.grid = mc.image_size // mc.patch_size
+        self.num_tokens = self.grid ** 2  # N
+        d = mc.dim
+        self.null_action = mc.num_actions  # extra embedding row: "no action" (latent memory frames)
+
+        self.patch_embed = nn.Linear(mc.channels * mc.patch_size ** 2, d)
+        self.pos_embed = nn.Parameter(torch.randn(1, 1, self.num_tokens, d) * 0.02)  # learned 2-D grid
+        self.level_embed = LevelEmbedding(d, cfg.diffusion.num_levels)
+        self.action_embed = nn.Embedding(mc.num_actions + 1, d)
+        self.rope = Rotary(d // mc.heads)
+        self.blocks = nn.ModuleList(
+            Block(d, mc.heads, mc.mlp_ratio, mc.temporal_attention, mc.frames_per_chunk,
+                  cross=mem.structure == "cross_attention") for _ in range(mc.depth))
+        self.final = FinalLayer(d, mc.channels * mc.patch_size ** 2)
+
+        # memory path
+        self.compressor = build_compressor(mem.compressor, dim=d, heads=mc.heads, num_tokens=self.num_tokens,
+                                           budget=mem.budget, num_actions=mc.num_actions)
+        self.memory_slots = mem.budget if self.compressor is not None else mem.length  # L
+        if mem.structure == "channel_concat":
+            self.memory_proj = nn.Linear(self.memory_slots * d, d)  # (L*D) -> D per spatial position
+            nn.init.zeros_(self.memory_proj.weight)  # start as "no memory"; gradients still flow
+            nn.init.zeros_(self.memory_proj.bias)
+        if mem.structure == "cross_attention" and self.compressor is None:
+            # raw memory frames need "how long ago" (latents carry time through the compressor);
+            # only built when used, so DDP never sees an unused parameter
+            self.memory_age = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
+
+    # -- helpers -----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.pos_embed.device
+
+    def num_params(self, trainable_only: bool = False) -> int:
+        """Number of parameters (all, or only those with requires_grad)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def check_schedule(self, delta, window: int | None = None) -> None:
+        """Refuse a schedule this checkpoint cannot serve.
+
+        Args:
+            delta: frames finished per AR step (or a schedule object with `.delta` and a window).
+            window: window length w.
+
+        Raises:
+            DenoiserError: when delta or the window is not a multiple of `model.frames_per_chunk` (the
+                grouping of past frames into chunks would shift, and cached K/V would be wrong).
+        """
+        if window is None:
+            sched = delta
+            delta = sched.delta
+            window = getattr(sched, "window", None)
+            if window is None:
+                window = sched.matrix.shape[-1]
+        c = self.frames_per_chunk
+        if delta % c:
+            raise DenoiserError(f"schedule delta={delta} is not a multiple of model.frames_per_chunk={c}: a "
+                                f"model trained with chunks of {c} frames cannot serve it (use delta in "
+                                f"{{{c}, {2 * c}, ...}})")
+        if window % c:
+            raise DenoiserError(f"schedule window={window} is not a multiple of model.frames_per_chunk={c}")
+
+    def _embed_frames(self, x: torch.Tensor) -> torch.Tensor:
+        """(B,T,C,H,W) -> tokens (B,T,N,D) with the spatial position embedding."""
+        p = self.patch
+        x = rearrange(x, "b t c (h p1) (w p2) -> b t (h w) (p1 p2 c)", p1=p, p2=p)  # (B,T,N,p*p*C)
+        return self.patch_embed(x) + self.pos_embed  # (B,T,N,D)
+
+    def _unpatchify(self, y: torch.Tensor) -> torch.Tensor:
+        p, g = self.patch, self.grid
+        return rearrange(y, "b t (h w) (p1 p2 c) -> b t c (h p1) (w p2)", h=g, w=g, p1=p, p2=p)  # (B,T,C,H,W)
+
+    def _cond(self, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        return self.level_embed(levels) + self.action_embed(actions)  # (B,T,D)
+
+    def _run(self, h, cond, positions, *, pasts=None, n_prefix=0, prefix_chunk=1, cross_kv=None):
+        """Run the blocks; returns tokens (B,T,N,D) and each layer's (K, V) in the kernel layout."""
+        cos, sin = self.rope(positions)  # (T,hd) each
+        kvs = []
+        for i, blk in enumerate(self.blocks):
+            h, kv = blk(h, cond, cos, sin, past=None if pasts is None else pasts[i], n_prefix=n_prefix,
+                        prefix_chunk=prefix_chunk, cross_kv=None if cross_kv is None else cross_kv[i])
+            kvs.append(kv)
+        return h, kvs
+
+    # -- input checks ------------------------------------------------------------------------------
+    def _check_frames(self, x: torch.Tensor, name: str) -> None:
+        want = (self.channels, self.image_size, self.image_size)
+        if x.dim() != 5 or tuple(x.shape[2:]) != want:
+            raise DenoiserError(f"{name} must be (B, T, {want[0]}, {want[1]}, {want[2]}) for this model, got "
+                                f"{tuple(x.shape)}")
+
+    def _check_actions(self, actions: torch.Tensor, shape: tuple[int, int], name: str) -> None:
+        if tuple(actions.shape) != shape:
+            raise DenoiserError(f"{name} must be (B, T) = {shape}, got {tuple(actions.shape)}")
+        if actions.is_floating_point() or actions.dtype == torch.bool:
+            raise DenoiserError(f"{name} must be integer (int64), got {actions.dtype}")
+        if actions.numel() and (int(actions.min()) < 0 or int(actions.max()) >= self.null_action):
+            raise DenoiserError(f"{name} must be in 0..{self.null_action - 1} (model.num_actions="
+                                f"{self.null_action}), got {int(actions.min())}..{int(actions.max())}")
+
+    def _check_window(self, x, levels, actions) -> None:
+        self._check_frames(x, "x")
+        b, t = x.shape[:2]
+        if t % self.frames_per_chunk:
+            raise DenoiserError(f"window of {t} frames is not a multiple of model.frames_per_chunk="
+                                f"{self.frames_per_chunk}")
+        if tuple(levels.shape) != (b, t) or levels.is_floating_point():
+            raise DenoiserError(f"levels must be integer (B, T) = {(b, t)}, got {tuple(levels.shape)} "
+                                f"{levels.dtype}")
+        if int(levels.min()) < 0 or int(levels.max()) > self.num_levels:
+            raise DenoiserError(f"levels must be in 0..{self.num_levels} (diffusion.num_levels), got "
+                                f"{int(levels.min())}..{int(levels.max())}")
+        self._check_actions(actions, (b, t), "actions")
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _memory(self, mem: MemoryFrames | None, batch: int) -> _Memory | None:
+        """MemoryFrames -> what the network sees (raw frame tokens or compressed latents)."""
+        if mem is None or len(mem) == 0:
+            return None
+        self._check_frames(mem.frames, "memory.frames")
+        m = mem.frames.shape[1]
+        if mem.frames.shape[0] != batch:
+            raise DenoiserError(f"memory.frames has batch {mem.frames.shape[0]}, the window has {batch}")
+        self._check_actions(mem.actions, (batch, m), "memory.actions")
+        pos = mem.frame_positions().to(mem.frames.device)  # (m,)
+        if pos.shape != (m,):
+            raise DenoiserError(f"memory.positions must be ({m},), got {tuple(pos.shape)}")
+        start = mem.window_start
+        if self.structure == "channel_concat" and self.compressor is None and m > self.memory_slots:
+            raise DenoiserError(f"channel_concat has {self.memory_slots} memory slots (memory.length), got "
+                                f"{m} memory frames")
+        tokens = self._embed_frames(mem.frames)  # (B,m,N,D)
+        ages = start - pos  # (m,)
+        if self.compressor is None:
+            return _Memory(tokens, mem.actions, pos, ages, latent=False)
+        lat = self.compressor(tokens, mem.actions, ages)  # (B,L,N,D)
+        n_lat = lat.shape[1]
+        lat_pos = start - n_lat + torch.arange(n_lat, device=lat.device)  # latents sit just before the window
+        null = torch.full((batch, n_lat), self.null_action, dtype=torch.long, device=lat.device)
+        return _Memory(lat, null, lat_pos, start - lat_pos, latent=True)
+
+    def _prefix_cond(self, mem: _Memory) -> torch.Tensor:
+        """AdaLN condition of prefix frames: level 0 (clean) + their action. (B,L,D)"""
+        return self._cond(torch.zeros_like(mem.actions), mem.actions)
+
+    def _concat_vector(self, mem: _Memory | None, batch: int) -> torch.Tensor:
+        """channel_concat: memory (B,L',N,D) -> (B,N,D) added to every window token."""
+        d, n, slots = self.pos_embed.shape[-1], self.num_tokens, self.memory_slots
+        if mem is None:  # an empty bank: every slot is empty (zeros)
+            tok = self.pos_embed.new_zeros(batch, slots, n, d)
+        else:
+            tok = mem.tokens if mem.latent else mem.tokens + self.action_embed(mem.actions)[:, :, None]
+            # fewer frames than slots (a bank still filling up): empty slots are the oldest ones
+            tok = F.pad(tok, (0, 0, 0, 0, slots - tok.shape[1], 0))  # (B,L,N,D)
+        tok = tok.permute(0, 2, 1, 3).reshape(batch, n, slots * d)  # (B,N,L*D): frames along channels
+        return self.memory_proj(tok)  # (B,N,D)
+
+    def _cross_kv(self, mem: _Memory) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cross_attention: per layer (K, V) of the memory tokens (B,H,L*N,hd)."""
+        tok = mem.tokens
+        if not mem.latent:  # raw frames carry their action and how long ago they were seen
+            age = self.memory_age(sinusoidal(mem.ages, tok.shape[-1]))  # (L,D)
+            tok = tok + self.action_embed(mem.actions)[:, :, None] + age[None, :, None]  # (B,L,N,D)
+        tok = tok.reshape(tok.shape[0], -1, tok.shape[-1])  # (B,L*N,D)
+        return [blk.cross.memory_kv(tok) for blk in self.blocks]
+
+    # -- forward -----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor,
+                memory: MemoryFrames | None = None, state: RolloutState | None = None) -> torch.Tensor:
+        """Predict v for a window.
+
+        Args:
+            x: (B,T,C,H,W) noisy window; T a multiple of `model.frames_per_chunk`.
+            levels: (B,T) int64 per-frame noise levels in 0..K.
+            actions: (B,T) int64.
+            memory: explicit past frames (training, uncached rollout); the model uses exactly what it is
+                given (retention is the bank's job). Their positions fix where the window starts.
+            state: a `RolloutState` (cached rollout); the window starts at `state.n_committed`.
+
+        Returns:
+            (B,T,C,H,W) v-prediction for the window only.
+        """
+        self._check_window(x, levels, actions)
+        if memory is not None and state is not None:
+            raise DenoiserError("give either memory= (explicit frames) or state= (cached rollout), not both")
+        b, t = x.shape[:2]
+        h = self._embed_frames(x)  # (B,T,N,D)
+        cond = self._cond(levels, actions)  # (B,T,D)
+        win_cond = cond
+        n_prefix, prefix_chunk, pasts, cross_kv = 0, 1, None, None
+
+        if state is not None:
+            if state.batch_size != b:
+                raise DenoiserError(f"state was made for batch {state.batch_size}, the window has batch {b}")
+            pos = state.n_committed + torch.arange(t, device=x.device)  # (T,)
+            if self.structure == "prepend":
+                pasts = [c.keys_values() for c in state.caches]
+            elif self.structure == "channel_concat":
+                vec = state.memory_vec if state.memory_vec is not None else self._concat_vector(None, b)
+                h = h + vec[:, None]  # (B,T,N,D)
+            else:
+                cross_kv = state.cross_kv
+        else:
+            mem = self._memory(memory, b)
+            start = memory.window_start if mem is not None else 0
+            pos = start + torch.arange(t, device=x.device)  # (T,)
+            if self.structure == "prepend" and mem is not None:
+                # memory frames/latents are a level-0 prefix on the time axis
+                n_prefix = mem.tokens.shape[1]
+                prefix_chunk = n_prefix if mem.latent else self.frames_per_chunk
+                h = torch.cat([mem.tokens, h], dim=1)  # (B,L+T,N,D)
+                cond = torch.cat([self._prefix_cond(mem), cond], dim=1)  # (B,L+T,D)
+                pos = torch.cat([mem.positions, pos])  # (L+T,)
+            elif self.structure == "channel_concat":
+                h = h + self._concat_vector(mem, b)[:, None]  # (B,T,N,D)
+            elif self.structure == "cross_attention" and mem is not None:
+                cross_kv = self._cross_kv(mem)
+
+        h, _ = self._run(h, cond, pos, pasts=pasts, n_prefix=n_prefix, prefix_chunk=prefix_chunk,
+                         cross_kv=cross_kv)
+        h = h[:, n_prefix:]  # the window's tokens only (B,T,N,D)
+        return self._unpatchify(self.final(h, win_cond))  # (B,T,C,H,W)
+
+    # -- cached rollout ----------------------------------------------------------------------------
+    def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None) -> RolloutState:
+        """A fresh `RolloutState`: empty bank (policy from cfg.memory) and, for prepend, per-layer caches.
+
+        Args:
+            batch_size: B of the rollout.
+            layer_policies: optional per-layer cache policies (e.g. streaming layers for hybrid
+                attention); default: every layer uses the memory retention policy.
+        """
+        policy = RetentionPolicy.from_config(self.cfg.memory)
+        caches = []
+        if self.structure == "prepend":
+            tpf = 1 if self.cfg.model.temporal_attention == "factorized" else self.num_tokens
+            if layer_policies is not None and len(layer_policies) != len(self.blocks):
+                raise DenoiserError(f"layer_policies has {len(layer_policies)} entries, the model has "
+                                    f"{len(self.blocks)} layers")
+            if self.compressor is not None:  # latents are rebuilt at every commit; never evicted
+                caches = [KVCache(RetentionPolicy("all"), tpf) for _ in self.blocks]
+            else:
+                caches = [KVCache(layer_policies[i] if layer_policies else policy, tpf)
+                          for i in range(len(self.blocks))]
+        return RolloutState(bank=MemoryBank(policy), caches=caches, batch_size=batch_size)
+
+    @torch.no_grad()
+    def commit(self, state: RolloutState, frames: torch.Tensor, actions: torch.Tensor,
+               poses: torch.Tensor | None = None) -> None:
+        """Write clean frames that left the window into the rollout state.
+
+        Args:
+            state: from `init_state`.
+            frames: (B,n,C,H,W) clean frames, n a multiple of `model.frames_per_chunk`.
+            actions: (B,n) their actions.
+            poses: optional (B,n,P), kept in the bank for evaluation.
+
+        The frames go to the bank (retention applied). For prepend with raw frames they also run through
+        the network at level 0, attending to what the cache holds now, and their K/V are appended to
+        every layer's cache (then evicted by the layer's policy). For compressed prepend, channel_concat
+        and cross_attention the memory representation is rebuilt from the bank, once per commit.
+        """
+        self._check_frames(frames, "frames")
+        b, n = frames.shape[:2]
+        if b != state.batch_size:
+            raise DenoiserError(f"state was made for batch {state.batch_size}, got frames with batch {b}")
+        if n == 0 or n % self.frames_per_chunk:
+            raise DenoiserError(f"commit of {n} frames: must be a positive multiple of model.frames_per_chunk="
+                                f"{self.frames_per_chunk} (chunks of committed frames must not shift)")
+        self._check_actions(actions, (b, n), "actions")
+        start = state.n_committed
+        if self.structure == "prepend" and self.compressor is None:
+            h = self._embed_frames(frames)  # (B,n,N,D)
+            cond = self._cond(torch.zeros_like(actions), actions)  # clean frames: level 0
+            pos = start + torch.arange(n, device=frames.device)  # (n,)
+            _, kvs = self._run(h, cond, pos, pasts=[c.keys_values() for c in state.caches], n_prefix=n,
+                               prefix_chunk=self.frames_per_chunk)
+            for cache, (k, v) in zip(state.caches, kvs):
+                cache.append(k, v, range(start, start + n))
+        state.bank.append(frames, actions, poses)
+        for cache in state.caches:
+            cache.evict(state.n_committed)
+        self._refresh(state)
+
+    def _refresh(self, state: RolloutState) -> None:
+        """Rebuild the per-commit memory representation from the bank (all but raw prepend)."""
+        if self.structure == "prepend" and self.compressor is None:
+            return
+        mem = self._memory(state.bank.memory(), state.batch_size)
+        if self.structure == "prepend":
+            for cache in state.caches:
+                cache.reset()
+            if mem is None:
+                return
+            n_lat = mem.tokens.shape[1]  # latents see each other (one chunk), never the window
+            _, kvs = self._run(mem.tokens, self._prefix_cond(mem), mem.positions, n_prefix=n_lat,
+                               prefix_chunk=n_lat)
+            for cache, (k, v) in zip(state.caches, kvs):
+                cache.append(k, v, mem.positions.tolist())
+        elif self.structure == "channel_concat":
+            state.memory_vec = self._concat_vector(mem, state.batch_size)
+        else:
+            state.cross_kv = self._cross_kv(mem) if mem is not None else None
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write `model.safetensors` + `config.json` (the whole Config) into `directory`, atomically.
+
+        A new folder is written under a temporary name and renamed into place; into an existing folder
+        each file is written to a temporary name, flushed, and renamed over the old one.
+        """
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        config_text = self.cfg.to_json()
+
+        def write(folder: Path) -> None:
+            for name, writer in ((WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"})),
+                                 (CONFIG_NAME, lambda p: p.write_text(config_text))):
+                tmp = folder / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+                writer(tmp)
+                with open(tmp, "rb") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(tmp, folder / name)
+
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        if directory.exists():
+            write(directory)
+        else:
+            tmp_dir = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+            tmp_dir.mkdir()
+            write(tmp_dir)
+            os.rename(tmp_dir, directory)  # the rename is the "complete" mark
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> Denoiser:
+        """Rebuild a model from `save_pretrained`'s folder (safetensors only; no pickle is executed).
+
+        Raises:
+            CheckpointError: missing folder/files, unreadable config or weights, or weights that do not
+                match the model the config describes (missing/unexpected keys, wrong shapes).
+        """
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        cfg_path, w_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+        for p in (cfg_path, w_path):
+            if not p.is_file():
+                raise CheckpointError(f"{directory}: no {p.name} (not a save_pretrained folder?)")
+        try:
+            cfg = Config.from_dict(json.loads(cfg_path.read_text()))
+        except (json.JSONDecodeError, ConfigError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{cfg_path}: unreadable config ({e})") from e
+        model = cls(cfg)
+        try:
+            tensors = load_file(str(w_path), device=str(map_location))
+        except Exception as e:  # safetensors raises SafetensorError / OSError on a corrupt file
+            raise CheckpointError(f"{w_path}: not a readable safetensors file ({e})") from e
+        model.load_weights(tensors, source=str(w_path))
+        return model.to(map_location)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], source: str = "state dict") -> None:
+        """Load a flat tensor dict strictly, with an error that lists what does not match."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        wrong = sorted(f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {tuple(own[k].shape)}"
+                       for k in set(own) & set(tensors) if tensors[k].shape != own[k].shape)
+        if missing or unexpected or wrong:
+            def few(xs):
+                return ", ".join(xs[:5]) + (f" ... (+{len(xs) - 5})" if len(xs) > 5 else "")
+            parts = [f"missing keys: {few(missing)}" if missing else "",
+                     f"unexpected keys: {few(unexpected)}" if unexpected else "",
+                     f"shape mismatches: {few(wrong)}" if wrong else ""]
+            raise CheckpointError(f"{source} does not match the model of its config: "
+                                  + "; ".join(p for p in parts if p))
+        self.load_state_dict(tensors, strict=True)

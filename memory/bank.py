@@ -1,0 +1,133 @@
+"""The memory bank: clean past frames (+ actions, poses) kept under a retention policy.
+
+During a rollout every frame that leaves the window is committed here; the bank keeps the frames its
+`RetentionPolicy` says to keep and hands them to the denoiser as a `MemoryFrames` (the same object a
+trainer builds by hand from the first m frames of a clip). The bank stores raw frames only; how they
+reach the network (prefix, channel concat, cross-attention, compressed or not) is the model's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .retention import RetentionPolicy
+
+
+@dataclass
+class MemoryFrames:
+    """Past frames given to the denoiser as conditioning.
+
+    Args:
+        frames: (B, m, C, H, W) clean frames in [-1, 1], oldest first.
+        actions: (B, m) int64 actions of those frames.
+        positions: (m,) int64 absolute frame indices, ascending; `None` means `0..m-1`. The window that
+            follows starts at `positions[-1] + 1` (or at m), which fixes the temporal (RoPE) distances.
+        poses: optional (B, m, P) float poses (for evaluation; the model ignores them).
+    """
+
+    frames: torch.Tensor
+    actions: torch.Tensor
+    positions: torch.Tensor | None = None
+    poses: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.frames.shape[1]
+
+    @property
+    def window_start(self) -> int:
+        """Absolute frame index of the first window frame that follows this memory."""
+        if self.positions is None:
+            return self.frames.shape[1]
+        return int(self.positions[-1]) + 1 if self.positions.numel() else 0
+
+    def frame_positions(self) -> torch.Tensor:
+        """(m,) int64 absolute indices (`positions`, or `0..m-1`)."""
+        if self.positions is not None:
+            return self.positions
+        return torch.arange(self.frames.shape[1], device=self.frames.device)
+
+
+class MemoryBank:
+    """Clean committed frames under a retention policy.
+
+    Args:
+        policy: which committed frames to keep.
+
+    Example:
+        >>> bank = MemoryBank(RetentionPolicy("last", length=8))
+        >>> bank.append(frames, actions)        # frames (B, n, C, H, W), actions (B, n)
+        >>> mem = bank.memory()                 # MemoryFrames of the kept frames, or None if empty
+    """
+
+    def __init__(self, policy: RetentionPolicy):
+        self.policy = policy
+        self.n_committed = 0  # frames ever committed; the next window starts at this absolute index
+        self.frames: torch.Tensor | None = None  # (B, F, C, H, W) kept frames
+        self.actions: torch.Tensor | None = None  # (B, F)
+        self.poses: torch.Tensor | None = None  # (B, F, P) or None
+        self.positions: list[int] = []  # absolute index of each kept frame
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def append(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None) -> None:
+        """Commit clean frames (B, n, C, H, W) with actions (B, n) [and poses (B, n, P)], then evict."""
+        if frames.dim() != 5:
+            raise ValueError(f"MemoryBank.append: frames must be (B, n, C, H, W), got {tuple(frames.shape)}")
+        b, n = frames.shape[:2]
+        if actions.shape != (b, n):
+            raise ValueError(f"MemoryBank.append: actions must be (B, n) = {(b, n)}, got {tuple(actions.shape)}")
+        if poses is not None and poses.shape[:2] != (b, n):
+            raise ValueError(f"MemoryBank.append: poses must start with (B, n) = {(b, n)}, got "
+                             f"{tuple(poses.shape)}")
+        if self.frames is not None:
+            if frames.shape[0] != self.frames.shape[0] or frames.shape[2:] != self.frames.shape[2:]:
+                raise ValueError(f"MemoryBank.append: frames {tuple(frames.shape)} do not match the bank's "
+                                 f"(B, C, H, W) = {(self.frames.shape[0], *self.frames.shape[2:])}")
+            if (poses is None) != (self.poses is None):
+                raise ValueError("MemoryBank.append: give poses for every commit or for none")
+        frames, actions = frames.detach(), actions.detach()
+        if self.frames is None or len(self.positions) == 0:
+            self.frames, self.actions = frames, actions
+            self.poses = poses.detach() if poses is not None else None
+        else:
+            self.frames = torch.cat([self.frames, frames], dim=1)  # (B, F+n, C, H, W)
+            self.actions = torch.cat([self.actions, actions], dim=1)  # (B, F+n)
+            if poses is not None:
+                self.poses = torch.cat([self.poses, poses.detach()], dim=1)  # (B, F+n, P)
+        self.positions += list(range(self.n_committed, self.n_committed + n))
+        self.n_committed += n
+        self._evict()
+
+    def _evict(self) -> None:
+        keep = set(self.policy.kept_indices(self.n_committed))
+        slots = [i for i, p in enumerate(self.positions) if p in keep]
+        if len(slots) == len(self.positions):
+            return
+        idx = torch.tensor(slots, dtype=torch.long, device=self.frames.device)
+        self.frames = self.frames.index_select(1, idx)  # (B, kept, C, H, W)
+        self.actions = self.actions.index_select(1, idx)  # (B, kept)
+        if self.poses is not None:
+            self.poses = self.poses.index_select(1, idx)  # (B, kept, P)
+        self.positions = [self.positions[i] for i in slots]
+
+    def memory(self) -> MemoryFrames | None:
+        """The kept frames as `MemoryFrames` (with their absolute positions); None when empty."""
+        if not self.positions:
+            return None
+        pos = torch.tensor(self.positions, dtype=torch.long, device=self.frames.device)
+        return MemoryFrames(self.frames, self.actions, positions=pos, poses=self.poses)
+
+    def nbytes(self) -> int:
+        """Bytes held by the kept frames, actions and poses."""
+        if self.frames is None:
+            return 0
+        total = self.frames.numel() * self.frames.element_size() + self.actions.numel() * 8
+        if self.poses is not None:
+            total += self.poses.numel() * self.poses.element_size()
+        return total
+
+    def __repr__(self) -> str:
+        return f"MemoryBank(policy={self.policy}, kept={len(self)}, committed={self.n_committed})"
