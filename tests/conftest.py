@@ -1,0 +1,10 @@
+"""Shared pytest setup for every test file. Keep this minimal and general.
+
+Triton decides at import time whether ``@triton.jit`` kernels run through its CPU interpreter, so
+``TRITON_INTERPRET`` must be set before anything imports triton; conftest.py is imported first.
+``setdefault`` keeps an explicit choice (e.g. ``TRITON_INTERPRET=0`` to test compiled kernels on a GPU).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
