@@ -1,0 +1,249 @@
+"""Checkpoints: atomic folders of safetensors weights + a weights_only training state.
+
+A checkpoint is one folder per saved step::
+
+    run_dir/checkpoints/step_0000250/
+        model.safetensors   the trained weights           (Denoiser.save_pretrained)
+        config.json         the full run Config            (rebuilds the model; sample.py reads it)
+        ema.safetensors     the EMA weights, fp32          (what sampling uses by default)
+        state.pt            optimizer, lr schedule, step, RNG states, data position
+
+It is written under a temporary name (``.tmp-step_0000250-<pid>``) in the same parent folder, every
+file is fsync'd, and only then renamed to its final name: the rename is the "complete" mark, so a run
+killed mid-write leaves a temp folder that `latest_checkpoint` ignores and the next save removes.
+
+Nothing from a checkpoint is ever unpickled: weights load through safetensors and the training state
+through ``torch.load(weights_only=True)`` (torch >= 2.6, CVE-2025-32434), which only rebuilds tensors,
+numbers, strings, lists, tuples and dicts. `save_checkpoint` checks that before it writes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from arvdm.config import Config, ConfigError
+
+CKPT_DIRNAME = "checkpoints"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(ValueError):
+    """A run folder has no usable checkpoint, or a checkpoint does not fit its config."""
+
+
+# -- finding checkpoints ---------------------------------------------------------------------------
+def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / CKPT_DIRNAME / f"step_{step:07d}"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run, oldest first. Temp folders (interrupted writes) are skipped."""
+    root = Path(run_dir) / CKPT_DIRNAME
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint folder of `run_dir`, or None."""
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def checkpoint_step(ckpt: str | os.PathLike) -> int:
+    m = _STEP_RE.match(Path(ckpt).name)
+    if not m:
+        raise CheckpointError(f"{ckpt}: not a checkpoint folder (expected a name like step_0000250)")
+    return int(m.group(1))
+
+
+# -- writing -------------------------------------------------------------------------------------
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module under DistributedDataParallel and/or torch.compile wrappers."""
+    while True:
+        if hasattr(model, "module") and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def state_dict_for_safetensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU, contiguous, storage-unshared copy of `module.state_dict()` (safetensors refuses shared storage)."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, cfg: Config, *,
+                    ema: torch.nn.Module | None = None, state: dict[str, Any] | None = None,
+                    keep: int = 2) -> Path:
+    """Write checkpoint `step` of `run_dir` atomically, then keep only the newest `keep` ones.
+
+    Call on one process only (rank 0 under DDP); the caller puts barriers around it.
+    """
+    if state is not None:
+        _check_weights_only(state)
+    root = Path(run_dir) / CKPT_DIRNAME
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(run_dir, step)
+    _remove_stale_temps(root)
+    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+    tmp.mkdir()
+
+    model = unwrap(model)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(tmp)  # model.safetensors + config.json (the diffusers-style pair)
+    else:  # a bare nn.Module (tests, custom models): same files
+        save_file(state_dict_for_safetensors(model), str(tmp / "model.safetensors"))
+    # The full run Config always goes in config.json: it rebuilds the model and tells sample.py how it
+    # was trained. (Denoiser.save_pretrained writes the same Config; writing it here is harmless.)
+    (tmp / "config.json").write_text(cfg.to_json())
+    if ema is not None:
+        save_file(state_dict_for_safetensors(unwrap(ema)), str(tmp / "ema.safetensors"))
+    if state is not None:
+        torch.save(state, tmp / "state.pt")
+
+    for f in tmp.iterdir():
+        _fsync_file(f)
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving a step (e.g. a resumed run that reached it again): replace it
+        old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+        shutil.rmtree(old)
+    os.rename(tmp, final)  # the "complete" mark
+    _fsync_dir(root)
+
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _remove_stale_temps(root: Path) -> None:
+    # Only one process writes checkpoints, so any temp folder is left over from a killed write.
+    for p in root.iterdir():
+        if p.name.startswith(TMP_PREFIX) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _check_weights_only(state: dict[str, Any]) -> None:
+    """Fail at save time (not at resume time) if `state` would not load with weights_only=True."""
+    buf = io.BytesIO()
+    try:
+        torch.save(state, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as e:
+        raise TypeError(f"training state holds an object torch.load(weights_only=True) refuses: {e}") from e
+
+
+# -- reading -------------------------------------------------------------------------------------
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """`path` is a checkpoint folder or a run folder (then its newest complete checkpoint)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run or checkpoint folder")
+    if (path / "model.safetensors").is_file():
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise CheckpointError(f"{path}: no complete checkpoint (looked for {path / CKPT_DIRNAME}/step_*/); "
+                              f"train one with: python train.py --out {path}")
+    return ckpt
+
+
+def load_config(ckpt: str | os.PathLike) -> Config:
+    """The run Config saved in a checkpoint folder."""
+    path = Path(ckpt) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt}: config.json is missing")
+    try:
+        return Config.from_dict(json.loads(path.read_text())).validate()
+    except (json.JSONDecodeError, ConfigError) as e:
+        raise CheckpointError(f"{path}: not a valid run config: {e}") from e
+
+
+def load_weights(module: torch.nn.Module, path: str | os.PathLike, *, what: str = "weights") -> None:
+    """Load a safetensors file into `module` strictly; a mismatch names the checkpoint and the keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
+    module = unwrap(module)
+    own = module.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    wrong = [f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}"
+             for k in sorted(set(own) & set(tensors)) if tensors[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        parts = []
+        if wrong:
+            parts.append(f"{len(wrong)} shapes differ (file vs config), e.g. {wrong[0]}")
+        if missing:
+            parts.append(f"{len(missing)} tensors missing, e.g. {missing[0]}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensors, e.g. {unexpected[0]}")
+        raise CheckpointError(f"{path}: {what} do not match config.json beside them: " + "; ".join(parts))
+    module.load_state_dict(tensors, strict=True)
+
+
+def load_training_state(ckpt: str | os.PathLike) -> dict[str, Any]:
+    path = Path(ckpt) / "state.pt"
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt}: state.pt is missing (a weights-only folder cannot be resumed)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot load training state ({e})") from e
+
+
+def load_for_inference(run_dir: str | os.PathLike, use_ema: bool = True, device: str | torch.device = "cpu"):
+    """Rebuild the denoiser of a run (newest checkpoint) for sampling. Returns ``(model, cfg)``.
+
+    `run_dir` may also be one checkpoint folder. With `use_ema` the EMA weights are loaded when the
+    checkpoint has them (it does for every checkpoint train.py writes).
+    """
+    from arvdm.model import Denoiser  # imported here so checkpoint.py stays importable on its own
+
+    ckpt = resolve_checkpoint(run_dir)
+    cfg = load_config(ckpt)
+    model = Denoiser(cfg)
+    weights = ckpt / "ema.safetensors" if use_ema and (ckpt / "ema.safetensors").is_file() \
+        else ckpt / "model.safetensors"
+    load_weights(model, weights, what="EMA weights" if weights.name.startswith("ema") else "weights")
+    return model.to(device).eval(), cfg

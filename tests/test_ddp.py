@@ -1,0 +1,78 @@
+"""`torchrun --nproc_per_node 2` on the CPU (gloo): trains, ranks stay identical, only rank 0 writes."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_training import TINY, write_episodes
+
+REPO = Path(__file__).resolve().parents[1]
+
+if not torch.distributed.is_available():
+    pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
+
+# Runs train.py's main() in each rank, after wrapping every function that writes run outputs so that
+# it first notes which rank called it (one file per rank in WRITES_DIR).
+LAUNCHER = textwrap.dedent("""
+    import os, sys
+    import arvdm.training as T
+
+    def record(name, fn):
+        def wrapper(*args, **kwargs):
+            with open(os.path.join(os.environ["WRITES_DIR"], "rank" + os.environ["RANK"]), "a") as f:
+                f.write(name + "\\n")
+            return fn(*args, **kwargs)
+        return wrapper
+
+    T.save_checkpoint = record("checkpoint", T.save_checkpoint)
+    T.write_side_by_side = record("sample", T.write_side_by_side)
+    T._Logger.__init__ = record("log", T._Logger.__init__)
+    sys.path.insert(0, os.environ["REPO"])
+    import train
+    sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow  # two processes importing torch and training: ~35 s on a 2-core CPU
+def test_torchrun_two_cpu_ranks(tmp_path):
+    data = write_episodes(tmp_path / "data", n_train=6)
+    (tmp_path / "writes").mkdir()
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
+    overrides = [a for o in TINY + ["train.max_steps=4", "train.ckpt_every=2", "train.val_every=2",
+                                    "train.val_batches=2", "train.sample_every=4"] for a in ("--set", o)]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", REPO=str(REPO),
+               WRITES_DIR=str(tmp_path / "writes"), ARVDM_TEST_DUMP_WEIGHTS=str(tmp_path / "final"),
+               OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(launcher), "--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu", *overrides]
+    proc = subprocess.run(cmd, check=False, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    # Both ranks end with the same weights, and they are the ones rank 0 checkpointed.
+    r0, r1 = (load_file(str(tmp_path / "final" / f"rank{r}.safetensors")) for r in (0, 1))
+    ckpt = load_file(str(tmp_path / "run/checkpoints/step_0000004/model.safetensors"))
+    assert r0.keys() == r1.keys() == ckpt.keys()
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]) and torch.equal(r0[k], ckpt[k]), k
+    # Only rank 0 wrote: checkpoints at steps 2 and 4, one log, one sample video.
+    assert sorted(p.name for p in (tmp_path / "writes").iterdir()) == ["rank0"]
+    assert sorted((tmp_path / "writes/rank0").read_text().split()) == ["checkpoint", "checkpoint", "log", "sample"]
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
+    assert (tmp_path / "run/samples/step_0000004.mp4").stat().st_size > 0
+    rows = list(csv.DictReader((tmp_path / "run/log.csv").read_text().splitlines()))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    # The training state holds both ranks' noise generators, and they differ (each rank draws its own noise).
+    state = torch.load(tmp_path / "run/checkpoints/step_0000004/state.pt", weights_only=True)
+    assert len(state["rng"]) == 2 and not torch.equal(state["rng"][0]["noise"], state["rng"][1]["noise"])
+    assert state["data"] == {"position": 4 * 2 * 2, "dataset_len": state["data"]["dataset_len"],
+                             "batch_size": 2, "world_size": 2}
+
