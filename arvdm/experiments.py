@@ -883,8 +883,8 @@ def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_refe
     Returns:
         name -> path of every file written.
     """
-    from arvdm.pareto import (paper_reference as paper_numbers, plot_error_accumulation, plot_pareto,
-                              plot_retrieval_by_span, write_results_table)
+    from arvdm.pareto import paper_reference as paper_numbers
+    from arvdm.pareto import plot_error_accumulation, plot_pareto, plot_retrieval_by_span, write_results_table
 
     out = Path(out)
     _, extra, grid_ref = _cells_for_report(out, grid)

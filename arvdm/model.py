@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import kernels
+from arvdm.checkpoint import CheckpointError
 from arvdm.config import Config, ConfigError
 from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy, build_compressor
 from memory.compress import sinusoidal
@@ -55,10 +56,6 @@ __all__ = ["CheckpointError", "Denoiser", "DenoiserError", "MemoryFrames", "Roll
 
 class DenoiserError(ValueError):
     """An input to the denoiser has the wrong shape/range, or a schedule it cannot serve."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing, corrupt, or does not match the model its config describes."""
 
 
 # ------------------------------------------------------------------------------------------------

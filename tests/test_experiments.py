@@ -7,20 +7,24 @@ evaluates them through arvdm.sampling (about 20 s on a 2-core CPU).
 
 from __future__ import annotations
 
-import os
+import csv
+import json
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tests/test_training.py
+import pytest
+import yaml
 
-import csv  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import yaml  # noqa: E402
-
-from arvdm.checkpoint import checkpoint_dir, latest_checkpoint  # noqa: E402
-from arvdm.experiments import (GridError, collect_results, expand_grid, load_grid, main, run_grid,  # noqa: E402
-                               run_status, write_report)
+from arvdm.checkpoint import checkpoint_dir, latest_checkpoint
+from arvdm.experiments import (
+    GridError,
+    collect_results,
+    expand_grid,
+    load_grid,
+    main,
+    run_grid,
+    run_status,
+    write_report,
+)
 
 # -- helpers -----------------------------------------------------------------------------------------------
 

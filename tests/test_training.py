@@ -6,12 +6,8 @@ a 2-core CPU; the overfit test is marked slow.
 
 from __future__ import annotations
 
-import os
-
 # Idle OpenMP threads spin-wait by default; on a shared 2-core machine that makes small matmuls ~30x
 # slower. Must be set before torch starts its thread pool.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import csv
 import itertools
 import json
