@@ -32,7 +32,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from arvdm.checkpoint import CheckpointError, latest_checkpoint, load_config
 from arvdm.config import ConfigError, apply_overrides, get_preset
 
-ENV_PATHS = {"memory_maze": "datasets/memory_maze", "crafter": "datasets/crafter"}
 ENV_ACTIONS = {"memory_maze": 6, "crafter": 17}
 
 
@@ -43,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", help="tiny (CPU, minutes) or paper (GPU); default tiny")
     p.add_argument("--data", help="TECO-layout folder with training/ and validation/ (default: the stand-in "
                                   "for --env, generated when absent)")
-    p.add_argument("--env", choices=sorted(ENV_PATHS), help="stand-in environment to generate data from "
+    p.add_argument("--env", choices=sorted(ENV_ACTIONS), help="stand-in environment to generate data from "
                                                             "(default memory_maze)")
     p.add_argument("--out", help="run folder (default runs/<preset>)")
     p.add_argument("--max-steps", type=int, help="train.max_steps")
@@ -63,7 +62,8 @@ def build_config(args: argparse.Namespace):
         cfg.data.env = args.env
         cfg.model.num_actions = max(cfg.model.num_actions, ENV_ACTIONS[args.env])
         if not args.data:
-            cfg.data.path = ENV_PATHS[args.env]
+            # one folder per environment and resolution, so presets never mix frame sizes
+            cfg.data.path = f"datasets/{args.env}_{cfg.data.resize or cfg.model.image_size}"
     if args.data:
         cfg.data.path = args.data
     apply_overrides(cfg, args.overrides)

@@ -99,7 +99,7 @@ class MemoryConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "datasets/memory_maze"  # a TECO-layout folder with training/ and validation/
+    path: str = "datasets/memory_maze_64"  # a TECO-layout folder with training/ and validation/
     env: str = "memory_maze"  # generator used when `path` is absent: memory_maze | crafter
     generate_episodes: int = 24
     generate_length: int = 128
@@ -181,8 +181,14 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Runs on a 2-core laptop CPU in minutes: 64x64 frames, 8-frame window, 8 memory frames.
-    "tiny": {},
+    # Runs on a 2-core laptop CPU in about 15 minutes with data generation: Memory Maze rendered at 32x32,
+    # 8-frame window, 8 memory frames, 400 steps (~1 step/s on 2 cores, measured by benchmarks/train_speed.py).
+    "tiny": {
+        "model.image_size": 32, "data.resize": 32, "data.path": "datasets/memory_maze_32",
+        "data.generate_episodes": 12,
+        "train.max_steps": 400, "train.warmup_steps": 50, "train.val_every": 200, "train.ckpt_every": 200,
+        "train.sample_every": 400,
+    },
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {
         "model.patch_size": 4, "model.dim": 512, "model.depth": 12, "model.heads": 8,
