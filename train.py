@@ -1,6 +1,6 @@
 """Train an auto-regressive video diffusion model (diffusion forcing, with memory).
 
-One CPU (the `tiny` preset; generates a small Memory Maze data set first if datasets/memory_maze is absent):
+One CPU (the `tiny` preset; generates a small Memory Maze data set first if datasets/memory_maze_32 is absent):
     python train.py
 One GPU:
     python train.py --preset paper --data datasets/memory_maze --out runs/paper
