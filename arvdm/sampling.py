@@ -7,6 +7,7 @@ For each of the first ``episodes`` validation episodes: condition on ``context``
 out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, and write into ``out_dir``
 
 - ``rollout.mp4``  ground truth (left) beside generated (right), one episode per row;
+- ``rollout.png``  a filmstrip: for up to 4 episodes, ground truth above generated, 10 frames over time;
 - ``rollout.npz``  ``real`` and ``fake`` uint8 (N, T, H, W, 3), context included (the fake's context frames
   are the ground truth it was given), as TECO's evaluation scripts read them;
 - ``metrics.csv``  PSNR and SSIM per generated frame index (0 = first generated frame), mean over episodes;
@@ -29,7 +30,7 @@ from .diffusion import PerFrameDiffusion
 from .metrics import evaluate_rollout, psnr_per_frame, ssim_per_frame, write_eval_json, write_metrics_csv
 from .pipeline import rollout
 from .schedules import get_schedule
-from .video import side_by_side, to_uint8, write_video
+from .video import filmstrip, side_by_side, to_uint8, write_image, write_video
 
 
 class SamplingError(ValueError):
@@ -89,6 +90,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     out.mkdir(parents=True, exist_ok=True)
     paths = {
         "video": write_video(out / "rollout.mp4", side_by_side(real, fake)),
+        "filmstrip": write_image(out / "rollout.png", filmstrip(real[:4], fake[:4])),
         "arrays": _write_npz(out / "rollout.npz", real=to_uint8(real), fake=to_uint8(fake)),
     }
     psnr = psnr_per_frame(gen, real[:, context:])  # (N, n_gen)

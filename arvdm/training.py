@@ -334,7 +334,6 @@ class Trainer:
         use_bf16 = tc.bf16 and self.device.type == "cuda"
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
-        self._sample_note_shown = False
 
     # -- one step ------------------------------------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,14 +452,9 @@ class Trainer:
         """Roll out the EMA model from a few validation frames; write GT | generated as an mp4 (rank 0)."""
         if not self.dist.is_main:
             return None
-        try:
-            from arvdm.pipeline import rollout
-            from arvdm.schedules import get_schedule
-        except ImportError as e:
-            if not self._sample_note_shown:
-                tqdm.write(f"note: sample videos skipped: the rollout pipeline is not importable yet ({e})")
-                self._sample_note_shown = True
-            return None
+        from arvdm.pipeline import rollout
+        from arvdm.schedules import get_schedule
+
         chunk = self.cfg.model.frames_per_chunk
         ctx = -(-SAMPLE_CONTEXT // chunk) * chunk  # the model commits whole chunks of context
         n_gen = SAMPLE_WINDOWS * self.w

@@ -61,3 +61,36 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Pa
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def filmstrip(real: torch.Tensor, fake: torch.Tensor, columns: int = 10, scale: int = 2, gap: int = 2) -> np.ndarray:
+    """One picture of a rollout: for each episode a ground-truth row above a generated row, `columns` frames
+    evenly spaced over time. (B, T, C, H, W) x2 -> (H', W', 3) uint8."""
+    if real.shape != fake.shape:
+        raise ValueError(f"filmstrip: real {tuple(real.shape)} and fake {tuple(fake.shape)} differ")
+    idx = np.linspace(0, real.shape[1] - 1, min(columns, real.shape[1])).round().astype(int)
+    rows = [to_uint8(v)[idx] for pair in zip(real, fake) for v in pair]  # 2B x (n, H, W, 3)
+    n, h, w, c = rows[0].shape
+    canvas = np.full((len(rows) * (h + gap) - gap, n * (w + gap) - gap, c), 255, np.uint8)
+    for r, frames in enumerate(rows):
+        for j, frame in enumerate(frames):
+            canvas[r * (h + gap):r * (h + gap) + h, j * (w + gap):j * (w + gap) + w] = frame
+    return canvas.repeat(scale, axis=0).repeat(scale, axis=1) if scale > 1 else canvas
+
+
+def write_image(path: str | os.PathLike, image: np.ndarray) -> Path:
+    """Write an (H, W, 3) uint8 image (PNG by suffix), atomically."""
+    import imageio.v2 as imageio
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    os.chmod(tmp, 0o644)
+    try:
+        imageio.imwrite(tmp, image)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -54,6 +54,14 @@ def _seed32(seed: int, salt: int) -> int:
     return int(np.random.SeedSequence([seed, salt]).generate_state(1)[0] % (2**31 - 1))
 
 
+def _load_triton_before_osmesa() -> None:
+    """libOSMesa (llvmpipe) and Triton both carry LLVM; loading Triton's library after OSMesa segfaults the
+    process (seen with Debian's libosmesa6 and triton 3.8), the other order is fine. So when Triton is
+    installed, load it first — it is what the model's attention kernels import later in the same process."""
+    with contextlib.suppress(ImportError):
+        import triton  # noqa: F401
+
+
 class MemoryMazeEnv:
     """memory_maze_9x9 with global observables; one dm_control environment reused across episodes."""
 
@@ -64,6 +72,7 @@ class MemoryMazeEnv:
         # Software rendering on a CPU machine; must be set before mujoco/dm_control are imported.
         os.environ.setdefault("MUJOCO_GL", "osmesa")
         os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
+        _load_triton_before_osmesa()
         try:
             with _quiet_import():
                 from memory_maze import tasks

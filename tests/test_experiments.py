@@ -357,7 +357,7 @@ def test_micro_grid_end_to_end(tmp_path):
                           rng.integers(0, 6, t).astype(np.int64), pose)
     s = {"name": "micro",
          "base": {"preset": "tiny", "set": {
-             "data.path": str(data), "model.image_size": 16, "model.patch_size": 4, "model.dim": 32,
+             "data.path": str(data), "model.image_size": 16, "data.resize": 0, "model.patch_size": 4, "model.dim": 32,
              "model.depth": 1, "model.heads": 2, "model.num_actions": 6, "train.window": 4,
              "train.batch_size": 2, "train.max_steps": 3, "train.warmup_steps": 1, "train.val_every": 3,
              "train.val_batches": 1, "train.sample_every": 0, "train.ckpt_every": 3, "diffusion.num_levels": 50}},

@@ -13,7 +13,7 @@ import sample
 from arvdm.config import apply_overrides, get_preset
 from arvdm.training import Trainer
 
-TINY = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
+TINY = ["model.image_size=16", "data.resize=0", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
         "memory.length=4", "train.window=4", "train.batch_size=2", "train.max_steps=2", "train.ckpt_every=2",
         "train.val_every=1000", "train.sample_every=0", "train.warmup_steps=1", "diffusion.num_levels=100"]
 
@@ -67,6 +67,10 @@ def test_sample_writes_video_arrays_metrics_and_eval(run, tmp_path):
     for key in ("psnr_by_span", "ssim_by_span", "max_psnr_decay", "retrieval_by_span", "retrieval_threshold"):
         assert key in ev
     assert (out / "rollout.mp4").stat().st_size > 0
+    import imageio.v2 as imageio
+    strip = imageio.imread(out / "rollout.png")  # 2 episodes x (truth row, generated row), 10 frames, 2x
+    assert strip.shape == (2 * (4 * 16 + 3 * 2), 2 * (10 * 16 + 9 * 2), 3)
+    np.testing.assert_array_equal(strip[:32:2, :32:2], real[0, 0])  # top-left: the first true frame
 
 
 def test_cache_and_no_cache_agree_with_full_retention(tmp_path):

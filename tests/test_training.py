@@ -30,7 +30,7 @@ from arvdm.config import ConfigError, apply_overrides, get_preset
 from arvdm.training import ResumableSampler, Trainer, TrainingError, lr_factor
 from data.episodes import write_episode
 
-TINY = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=1", "model.heads=2",
+TINY = ["model.image_size=16", "data.resize=0", "model.patch_size=4", "model.dim=32", "model.depth=1", "model.heads=2",
         "model.num_actions=6", "memory.length=2", "train.window=4", "train.batch_size=2",
         "train.warmup_steps=2", "train.log_every=1", "train.val_every=3", "train.val_batches=1",
         "train.sample_every=0", "train.ckpt_every=3", "train.max_steps=6", "diffusion.num_levels=100"]
@@ -199,8 +199,9 @@ def test_cli_user_errors_exit_nonzero_with_one_line(tmp_path, data, capsys):
         (["--data", str(data), "--set", "model.bogus=1"], "unknown config key"),
         (["--data", str(data), "--preset", "huge"], "unknown preset"),
         (["--data", str(data), "--resume"], "no complete checkpoint"),
-        # tiny is 64x64, the files 16x16 (and 12 frames long, hence the shorter clips)
-        (["--data", str(data), "--set", "memory.length=2", "--set", "train.window=4"], "data at another resolution"),
+        # tiny's model is 32x32 (no resize asked here), the files 16x16 (and 12 frames long, hence shorter clips)
+        (["--data", str(data), "--set", "data.resize=0", "--set", "memory.length=2", "--set", "train.window=4"],
+         "data at another resolution"),
     ]
     for argv, message in cases:
         assert cli.main(argv + ["--out", str(tmp_path / "run"), "--device", "cpu"]) == 2
