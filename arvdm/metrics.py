@@ -20,7 +20,6 @@ import io
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from data.episodes import atomic_write
 
 __all__ = [
     "EVAL_FORMAT",
@@ -81,19 +82,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     half-written file. Parent folders are created. Returns the path.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Leave no temp file behind on any failure (including KeyboardInterrupt).
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8", newline=""))
     return path
 
 

@@ -16,7 +16,6 @@ import csv
 import io
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from arvdm.metrics import atomic_write_text
+from data.episodes import atomic_write
 
 __all__ = [
     "paper_reference",
@@ -167,17 +167,8 @@ def _new_figure(size: tuple[float, float] = (7.0, 4.5)):
 def _save_png(fig, path: str | os.PathLike) -> Path:
     """Save a figure as PNG atomically (temp file in the same folder, then os.replace)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.tight_layout()
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     return path
 
 

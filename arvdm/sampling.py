@@ -17,13 +17,14 @@ out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, 
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from data.episodes import atomic_write
 
 from .checkpoint import load_for_inference
 from .diffusion import PerFrameDiffusion
@@ -146,13 +147,9 @@ def load_validation_episodes(root: str | os.PathLike, cfg, n_episodes: int, cont
 
 
 def _write_npz(path: Path, **arrays: np.ndarray) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".npz", dir=path.parent)
-    os.close(fd)
-    try:
-        np.savez_compressed(tmp, **arrays)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.savez would append ".npz" to the temp name
+            np.savez_compressed(f, **arrays)
+
+    atomic_write(path, write)
     return path

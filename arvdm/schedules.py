@@ -32,13 +32,14 @@ import argparse
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from data.episodes import atomic_write
 
 __all__ = [
     "PRESETS",
@@ -245,18 +246,7 @@ class ARSchedule:
         path = Path(path)
         if path.suffix.lower() != ".json":
             raise ScheduleError("file", f"{path}: ARSchedule.save writes JSON; use a .json file name")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # the rename is atomic: readers see the old file or the whole new one
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, lambda tmp: tmp.write_text(self.to_json()))  # readers see old or whole new file
         return path
 
     # -- python protocol ----------------------------------------------------------------------------
@@ -637,10 +627,7 @@ def _save_figure(fig: Any, path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png"))
     plt.close(fig)
 
 

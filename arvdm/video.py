@@ -1,17 +1,18 @@
 """Video files: tensors in [-1, 1] to uint8 frames, side-by-side ground truth | generated, mp4/gif.
 
-Every file is written under a temporary name in its folder and renamed, so a killed run never leaves a
-half-written video where a finished one is expected.
+Every file is written through `data.episodes.atomic_write` (a temporary name in its folder, then a rename),
+so a killed run never leaves a half-written video where a finished one is expected.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from data.episodes import atomic_write
 
 
 def to_uint8(video: torch.Tensor) -> np.ndarray:
@@ -41,25 +42,20 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Pa
     import imageio.v2 as imageio
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
-    try:
+
+    def write(tmp: Path) -> None:
         if path.suffix == ".gif":
             imageio.mimsave(tmp, list(frames), duration=1000 / fps, loop=0)
-        else:
-            # H.264 needs even sizes; macro_block_size=1 stops imageio from resizing behind our back
-            t, h, w, c = frames.shape
-            frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), constant_values=255)
-            with imageio.get_writer(tmp, fps=fps, codec="libx264", macro_block_size=1, quality=8,
-                                    pixelformat="yuv420p") as writer:
-                for frame in frames:
-                    writer.append_data(frame)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+            return
+        # H.264 needs even sizes; macro_block_size=1 stops imageio from resizing behind our back
+        t, h, w, c = frames.shape
+        padded = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), constant_values=255)
+        with imageio.get_writer(tmp, fps=fps, codec="libx264", macro_block_size=1, quality=8,
+                                pixelformat="yuv420p") as writer:
+            for frame in padded:
+                writer.append_data(frame)
+
+    atomic_write(path, write, suffix=path.suffix)  # imageio picks the format from the suffix
     return path
 
 
@@ -83,14 +79,5 @@ def write_image(path: str | os.PathLike, image: np.ndarray) -> Path:
     import imageio.v2 as imageio
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o644)
-    try:
-        imageio.imwrite(tmp, image)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: imageio.imwrite(tmp, image), suffix=path.suffix)
     return path

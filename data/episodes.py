@@ -163,15 +163,16 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: Path, writer) -> None:
+def atomic_write(path: Path, writer, suffix: str = ".tmp") -> None:
     """Write via ``writer(tmp_path)`` to a hidden temp file in the same folder, fsync, then rename.
 
-    The temp name starts with '.' and ends with '.tmp', so a concurrent folder scan never mistakes it
-    for an episode; the rename is atomic, so readers see either nothing or the complete file.
+    The temp name starts with '.' (and by default ends with '.tmp'), so a concurrent folder scan never
+    mistakes it for an episode; the rename is atomic, so readers see either nothing or the complete file.
+    ``suffix`` is for writers that pick the format from the file name (ffmpeg: ``".mp4"``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     os.close(fd)
     try:
         writer(Path(tmp))
