@@ -224,7 +224,7 @@ def calibrate_threshold(
         # tolerances too loose): say so in the output instead of reporting rates that mean little.
         out["warning"] = (
             f"true revisit pairs and random pairs are hard to separate by SSIM (balanced accuracy "
-            f"{ba[i]:.2f} < {MIN_RELIABLE_BALANCED_ACCURACY}); retrieval rates are unreliable"
+            f"{ba[i]:.3f} < {MIN_RELIABLE_BALANCED_ACCURACY}); retrieval rates are unreliable"
         )
     return out
 
