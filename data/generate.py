@@ -248,7 +248,9 @@ def _check_root(root: Path, spec: GenerateSpec) -> None:
             raise GenerateError(f"{root} already holds episodes that this generator did not write "
                                 f"(no {MANIFEST}); choose another --out")
         return
-    ours = asdict(spec)
+    # compress is only how the arrays are stored, not what they hold: a folder written either way (or by a
+    # version that did not record it) is the same data set
+    ours = {k: v for k, v in asdict(spec).items() if k != "compress"}
     diff = [f"{k}={manifest.get(k)!r} (asked {v!r})" for k, v in ours.items() if manifest.get(k) != v]
     if diff:
         raise GenerateError(f"{root} holds a different data set: {', '.join(diff)}; use another --out, "

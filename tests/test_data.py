@@ -364,3 +364,19 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
                            "--episodes", "-3"], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --episodes must be >= 1, got -3"]
+
+
+def test_storage_compression_is_not_part_of_a_data_sets_identity(tmp_path):
+    """A folder written with or without npz compression (or before it was recorded) is the same data set;
+    a different seed is not."""
+    import json
+
+    from data.generate import MANIFEST, GenerateError, GenerateSpec, _check_root
+
+    spec = GenerateSpec("crafter", 4, 40, 16, 0, "revisit", True)
+    (tmp_path / MANIFEST).write_text(json.dumps({"env": "crafter", "episodes": 4, "length": 40, "size": 16,
+                                                 "seed": 0, "policy": "revisit"}))
+    _check_root(tmp_path, spec)  # no error
+    _check_root(tmp_path, GenerateSpec("crafter", 4, 40, 16, 0, "revisit", False))
+    with pytest.raises(GenerateError, match="seed=0"):
+        _check_root(tmp_path, GenerateSpec("crafter", 4, 40, 16, 1, "revisit", True))
