@@ -151,8 +151,8 @@ def main() -> None:
                              time_ratio=f"{res['ms'] / base['ms']:.2f}"))
             print(rows[-1], flush=True)
     print(f"\n## Compressed memory (joint compressor, m = {m}) vs budget\n")
-    print(table(rows, ["structure", "m", "budget", "params", "state_KiB", "fwd_ms", "commit_ms", "ms_per_frame", "bytes_ratio",
-                       "time_ratio"]))
+    print(table(rows, ["structure", "m", "budget", "params", "state_KiB", "fwd_ms", "commit_ms", "ms_per_frame",
+                       "bytes_ratio", "time_ratio"]))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def synthetic_data(root: Path, cfg, episodes: int = 4) -> Path:
     for split in ("training", "validation"):
         (root / split).mkdir(parents=True, exist_ok=True)
         for e in range(episodes):
-            write_episode(root / split / f"ep{e:04d}.npz", rng.integers(0, 256, (length, size, size, 3), dtype=np.uint8),
+            video = rng.integers(0, 256, (length, size, size, 3), dtype=np.uint8)
+            write_episode(root / split / f"ep{e:04d}.npz", video,
                           rng.integers(0, min(6, cfg.model.num_actions), length))
     return root
 
