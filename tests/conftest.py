@@ -9,5 +9,19 @@ so tests let them sleep (``OMP_WAIT_POLICY=PASSIVE``, read when torch loads Open
 
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Test tensors are tiny: on a shared 2-core machine intra-op threads cost far more than they give
+    (7-40x slower in our measurements), so every test runs torch on one thread."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

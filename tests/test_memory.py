@@ -16,15 +16,6 @@ from memory import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids thread hand-off overhead on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_cfg(*overrides):
     base = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
             "model.num_actions=4", "diffusion.num_levels=100", "memory.length=4"]

@@ -14,15 +14,6 @@ B, C, S, A = 2, 3, 16, 4  # batch, channels, image size, actions
 STRUCTURES = ["prepend", "channel_concat", "cross_attention"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids thread hand-off overhead on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_cfg(*overrides):
     base = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
             f"model.num_actions={A}", "diffusion.num_levels=100", "memory.length=4"]

@@ -196,15 +196,6 @@ def test_no_context_and_progress_bar(capsys):
 
 
 # -- the real denoiser -------------------------------------------------------------------------------------
-@pytest.fixture
-def one_thread():
-    # Tiny matrices: on a shared 2-core machine, intra-op threads cost far more than they give (~40x here).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_denoiser(temporal_attention="factorized", frames_per_chunk=1):
     model_mod = pytest.importorskip("arvdm.model")
     cfg = Config()
@@ -229,7 +220,7 @@ def tiny_denoiser(temporal_attention="factorized", frames_per_chunk=1):
     (fifo(4, K, 1), "full", 1),
     (from_matrix([[50, 50, 100, 100], [0, 0, 50, 50]], 2, K), "factorized", 2),
 ], ids=["chunked", "fifo", "fifo-full", "delta2-chunk2"])
-def test_real_denoiser_kv_cached_rollout_equals_recomputing(sched, form, chunk, one_thread):
+def test_real_denoiser_kv_cached_rollout_equals_recomputing(sched, form, chunk):
     model = tiny_denoiser(form, chunk)
     g = torch.Generator().manual_seed(0)
     ctx = torch.rand(1, 2, 3, 16, 16, generator=g) * 2 - 1

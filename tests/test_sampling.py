@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import sample
 from arvdm.config import apply_overrides, get_preset
@@ -31,7 +30,6 @@ def _write_episodes(root, split, n, length=40, size=16, seed=0):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("sampling")
     data = root / "data"
     _write_episodes(data, "training", 2)
@@ -75,7 +73,6 @@ def test_sample_writes_video_arrays_metrics_and_eval(run, tmp_path):
 
 def test_cache_and_no_cache_agree_with_full_retention(tmp_path):
     """With retention `all` the KV-cached rollout equals the recomputing one through the whole CLI path."""
-    torch.set_num_threads(1)
     data = tmp_path / "data"
     _write_episodes(data, "training", 1)
     _write_episodes(data, "validation", 1, seed=1)
