@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eta", type=float, default=0.0, help="0 = DDIM, 1 = DDPM-like")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
+    p.add_argument("--split", default="validation", choices=["validation", "training"],
+                   help="which split of the data folder to roll out (default validation; e.g. training of a "
+                        "freshly generated folder the run never saw)")
     p.add_argument("--out", default=None, help="output folder (default: RUN/samples/<schedule>)")
     p.add_argument("--no-cache", action="store_true", help="no KV cache: recompute the memory at every call")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,
-                              use_cache=not args.no_cache, evaluate=args.eval, data=args.data,
+                              use_cache=not args.no_cache, evaluate=args.eval, data=args.data, split=args.split,
                               use_ema=not args.no_ema, device=args.device)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2))
+    if "verdict" in result["summary"]:  # the model against copy-last and context-mean, in words
+        print(f"sample.py: {result['summary']['verdict']}", file=sys.stderr)
     return 0
 
 

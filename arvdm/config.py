@@ -52,12 +52,26 @@ class ModelConfig:
     heads: int = 4
     mlp_ratio: float = 4.0
     num_actions: int = 18  # Memory Maze has 6, Crafter 17
+    # Conv U-Net levels around the token grid: level i has unet_channels[i] channels at image_size / 2**i;
+    # the transformer blocks run on patches of the last level. [] = a plain patch DiT on pixels.
+    unet_channels: list = field(default_factory=list)
     frames_per_chunk: int = 1  # c: frames that see each other; serves schedules whose delta is a multiple of c
     temporal_attention: str = "factorized"  # "factorized" (per spatial position) or "full" (all tokens)
 
+    @property
+    def token_grid(self) -> int:
+        """Tokens per side of a frame: image_size / (2**(levels-1) * patch_size)."""
+        return self.image_size // (2 ** max(0, len(self.unet_channels) - 1) * self.patch_size)
+
     def validate(self) -> None:
-        _check(self.image_size > 0 and self.image_size % self.patch_size == 0, "model.image_size",
-               self.image_size, f"must be a positive multiple of model.patch_size={self.patch_size}")
+        _check(isinstance(self.unet_channels, list) and all(isinstance(c, int) and c >= 1
+                                                             for c in self.unet_channels),
+               "model.unet_channels", self.unet_channels, "must be a list of positive ints, e.g. [32, 64]")
+        step = 2 ** max(0, len(self.unet_channels) - 1) * self.patch_size
+        _check(self.image_size > 0 and self.image_size % step == 0, "model.image_size", self.image_size,
+               f"must be a positive multiple of model.patch_size={self.patch_size}"
+               + (f" x 2**(levels-1) = {step} (model.unet_channels={self.unet_channels})"
+                  if len(self.unet_channels) > 1 else ""))
         _check(self.dim % self.heads == 0, "model.dim", self.dim, f"must be divisible by model.heads={self.heads}")
         _check(self.depth >= 1, "model.depth", self.depth, "must be >= 1")
         _check(self.num_actions >= 1, "model.num_actions", self.num_actions, "must be >= 1")
@@ -65,7 +79,7 @@ class ModelConfig:
         _check(self.temporal_attention in ("factorized", "full"), "model.temporal_attention",
                self.temporal_attention, "must be 'factorized' or 'full'")
         patch_values = self.patch_size ** 2 * self.channels
-        if self.dim < patch_values:
+        if self.dim < patch_values and not self.unet_channels:
             warnings.warn(f"model.dim={self.dim} is smaller than the {patch_values} values of a "
                           f"{self.patch_size}x{self.patch_size} patch: tokens cannot carry the noise, and samples "
                           f"stay noisy; use model.dim >= {patch_values} or a smaller model.patch_size", stacklevel=3)
@@ -130,6 +144,8 @@ class TrainConfig:
     warmup_steps: int = 100
     max_steps: int = 2000
     grad_clip: float = 1.0
+    loss_weight: str = "min_snr"  # uniform | min_snr: per-level weight of the v-MSE (PerFrameDiffusion.loss_weight)
+    min_snr_gamma: float = 5.0
     ema_decay: float = 0.999
     log_every: int = 10
     val_every: int = 250
@@ -146,6 +162,9 @@ class TrainConfig:
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _check(self.max_steps >= 1, "train.max_steps", self.max_steps, "must be >= 1")
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
+        _check(self.loss_weight in ("uniform", "min_snr"), "train.loss_weight", self.loss_weight,
+               "must be uniform or min_snr")
+        _check(self.min_snr_gamma > 0, "train.min_snr_gamma", self.min_snr_gamma, "must be > 0")
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
 
 
@@ -187,17 +206,20 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Runs on a 2-core laptop CPU in about 15 minutes with data generation: Memory Maze rendered at 32x32,
-    # 8-frame window, 8 memory frames, 400 steps (~1 step/s on 2 cores, measured by benchmarks/train_speed.py).
-    # Patch 4 with dim 64 (not patch 8 with dim 128, the same cost): a token must be able to carry its
-    # patch's 4*4*3 = 48 values, noise included, or the model cannot tell noise from signal (at patch 8,
-    # 192 values > dim 128, 400 steps gave rollouts of pure noise: 10.7 dB; patch 4 gave 14.6 dB).
+    # The README's main job on a 2-core laptop CPU (data, training and a rollout in about 15 minutes; the
+    # measured figures are in benchmarks/RESULTS.md): Memory Maze at 32x32 from 48 generated mazes, a small
+    # conv U-Net (32 channels at 32 px, 64 at 16 px) around 2 transformer blocks on 8x8 tokens, where the
+    # temporal attention, the memory and the KV caches live; 4 memory + 4 window frames; lr 2e-3 with
+    # min-SNR-5 weighting (what made the model beat copy-last; see RESULTS.md for each change in dB).
     "tiny": {
-        "model.image_size": 32, "model.patch_size": 4, "model.dim": 64,
+        "model.image_size": 32, "model.unet_channels": [32, 64], "model.patch_size": 2, "model.dim": 128,
+        "model.depth": 2, "model.heads": 4,
+        "memory.length": 4,
         "data.resize": 32, "data.path": "datasets/memory_maze_32",
-        "data.generate_episodes": 12,
-        "train.max_steps": 400, "train.warmup_steps": 50, "train.val_every": 200, "train.ckpt_every": 200,
-        "train.sample_every": 400,
+        "data.generate_episodes": 48,
+        "train.window": 4, "train.batch_size": 8, "train.lr": 2e-3, "train.warmup_steps": 100,
+        "train.ema_decay": 0.995,
+        "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500,
     },
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {

@@ -113,6 +113,25 @@ class PerFrameDiffusion:
         ab = self.alpha_bar(levels)
         return self._coef((1 - ab).sqrt(), x_t) * x_t + self._coef(ab.sqrt(), x_t) * v
 
+    def snr(self, levels: torch.Tensor) -> torch.Tensor:
+        """Signal-to-noise ratio ``ᾱ / (1−ᾱ)`` per level, float64 (inf at the clean level 0)."""
+        ab = self.alpha_bar(levels)
+        return ab / (1 - ab)
+
+    def loss_weight(self, levels: torch.Tensor, kind: str = "uniform", gamma: float = 5.0) -> torch.Tensor:
+        """Per-frame weight of the v-MSE, float32, levels' shape.
+
+        ``uniform``: 1. ``min_snr``: ``min(1, γ / (1 + SNR))`` — the v-loss equals ``(1 + SNR)`` times the
+        x0-loss, so this caps the x0-weight at γ (Hang et al. 2023, "Min-SNR weighting", Eq. 8, with the
+        +1 of the v-parameterisation): low-noise levels, which a rollout barely needs, stop dominating
+        and the high-noise levels where every new frame starts keep weight 1.
+        """
+        if kind == "uniform":
+            return torch.ones(levels.shape, dtype=torch.float32, device=levels.device)
+        if kind != "min_snr":
+            raise ValueError(f"unknown loss weight {kind!r}; use uniform or min_snr")
+        return (gamma / (1 + self.snr(levels))).clamp(max=1.0).float()
+
     # -- reverse process ----------------------------------------------------------------------------------
     def transition(self, x_t: torch.Tensor, v: torch.Tensor, from_levels: torch.Tensor, to_levels: torch.Tensor,
                    eta: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

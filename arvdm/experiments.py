@@ -766,6 +766,17 @@ def _cells_for_report(out: Path, grid: Grid | None) -> tuple[list[dict[str, Any]
     return cells, extra, False
 
 
+def _baseline_columns(ev: Mapping[str, Any]) -> dict[str, Any]:
+    """The model beside copy-last and context-mean over the first 4 generated frames, and sharpness."""
+    first = ev.get("first_frames") or {}
+    cols = {f"psnr4_{name}": (first.get(name) or {}).get("psnr", {}).get("4")
+            for name in ("model", "copy_last", "context_mean")}
+    cols["grad_ratio16"] = ev.get("gradient_ratio_first16")
+    v = ev.get("verdict")
+    cols["beats_copy_last"] = None if v is None else int(bool(v.get("beats_copy_last")))
+    return cols
+
+
 def _read_curve(cell_dir: Path, ev: Mapping[str, Any]) -> list[float]:
     """PSNR per generated frame index: metrics.csv's ``psnr`` column (eval.json's ``psnr_curve`` without it)."""
     path = cell_dir / "metrics.csv"
@@ -813,7 +824,7 @@ def collect_results(out: str | os.PathLike, grid: Grid | None = None) -> list[di
     train_run. Metrics are blank for cells without eval.json. Internal keys ``_curve``, ``_rates`` and
     ``_counts`` (for the plots) start with an underscore and are not written to the tables.
     """
-    from arvdm.metrics import read_eval_json
+    from arvdm.evaluate import read_eval_json
     from arvdm.pareto import pareto_frontier
     from arvdm.retrieval import mean_retrieval_rate
 
@@ -841,7 +852,9 @@ def collect_results(out: str | os.PathLike, grid: Grid | None = None) -> list[di
             row.update({f"psnr_{s['label']}": s.get("mean") for s in ev.get("psnr_by_span") or []})
             row.update(psnr_mean=ev.get("psnr_mean"), ssim_mean=ev.get("ssim_mean"), n_probes=ev.get("n_probes"),
                        retrieval_threshold=ev.get("retrieval_threshold"))
+            row.update(_baseline_columns(ev))
             row["_curve"] = _read_curve(cell_dir, ev)
+            row["_baselines"] = {k: v.get("psnr_curve") for k, v in (ev.get("baselines") or {}).items()}
             row["_rates"] = {b["bin"]: b.get("rate") for b in by_span}
             row["_counts"] = {b["bin"]: b.get("n") for b in by_span}
         else:
@@ -866,7 +879,8 @@ def _table_columns(rows: Sequence[Mapping[str, Any]], extra: Sequence[str]) -> l
     keys = list(dict.fromkeys(k for r in rows for k in r))
     retrieval = [k for k in keys if k.startswith("retrieval_") and k not in ("retrieval_mean", "retrieval_threshold")]
     psnr = [k for k in keys if k.startswith("psnr_") and k != "psnr_mean"]
-    tail = ["psnr_mean", "ssim_mean", "n_probes", "retrieval_threshold", "params", "train_steps", "val_loss",
+    tail = ["psnr4_model", "psnr4_copy_last", "psnr4_context_mean", "grad_ratio16", "beats_copy_last",
+            "psnr_mean", "ssim_mean", "n_probes", "retrieval_threshold", "params", "train_steps", "val_loss",
             "val_loss_ema", "on_frontier", "train_run"]
     return lead + retrieval + psnr + tail
 
@@ -898,9 +912,12 @@ def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_refe
     ref = paper_numbers() if use_ref else None
     if done:
         curves = {r["name"]: r["_curve"] for r in done if r["_curve"]}
+        # the trivial predictors depend only on the episodes: draw the first cell's as reference lines
+        base = next((r["_baselines"] for r in done if r.get("_baselines")), None)
         if curves:
             paths["error_accumulation"] = plot_error_accumulation(
-                curves, out / "error_accumulation.png", reference=ref["psnr_by_span"] if ref else None)
+                curves, out / "error_accumulation.png", reference=ref["psnr_by_span"] if ref else None,
+                baselines=base)
         paths["retrieval_by_span"] = plot_retrieval_by_span(
             {r["name"]: r["_rates"] for r in done}, out / "retrieval_by_span.png",
             reference=ref["retrieval_by_span"] if ref else None, counts={r["name"]: r["_counts"] for r in done})
@@ -920,7 +937,12 @@ def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_refe
              ("max_psnr_decay: first span's mean PSNR minus the worst span's (dB, lower is better); "
               "retrieval_mean: mean retrieval rate over gap bins with probes (higher is better); "
               "retrieval_<a-b>: rate for revisits a-b frames back; psnr_<a-b>: mean PSNR over generated "
-              "frames a-b; on_frontier: 1 when no other cell is better on both axes."), "", table]
+              "frames a-b; psnr4_<model|copy_last|context_mean>: mean PSNR over the first 4 generated frames "
+              "of the model and of the two trivial predictors; grad_ratio16: spatial-gradient ratio "
+              "generated/real over the first 16 (about 1 = sharp, >1.5 noise, <0.6 blur); beats_copy_last: "
+              "1 when psnr4_model >= psnr4_copy_last (a cell with 0 has not learned the video: do not read "
+              "its curve or retrieval as a result); on_frontier: 1 when no other cell is better on both "
+              "axes."), "", table]
     for key, title in (("error_accumulation", "Error accumulation"), ("retrieval_by_span", "Retrieval by span"),
                        ("pareto", "Pareto frontier")):
         if key in paths:

@@ -3,8 +3,8 @@
 The paper's *error accumulation* ("temporal degradation" in v2) is measured by conditioning on ground-truth
 context frames, rolling out, and comparing every generated frame with the ground truth at the same index.
 This module computes those per-frame numbers, summarises them over spans of frames (0-16, 16-32, ...),
-reduces them to the *max PSNR decay* (first span minus worst span), and writes them to disk
-(``metrics.csv`` per frame index, ``eval.json`` for the whole evaluation).
+reduces them to the *max PSNR decay* (first span minus worst span), and writes ``metrics.csv`` (per frame
+index). A whole rollout's evaluation and its ``eval.json`` live in ``arvdm.evaluate``.
 
 Conventions: videos are ``(B, T, C, H, W)`` float tensors in [-1, 1] (the package-wide convention), so the
 data range of PSNR and SSIM is 2.0. Frame index 0 of every per-frame result is the first *generated* frame.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import os
 import warnings
@@ -31,10 +30,7 @@ from torch import Tensor
 from data.episodes import atomic_write
 
 __all__ = [
-    "EVAL_FORMAT",
-    "REQUIRED_EVAL_KEYS",
     "atomic_write_text",
-    "evaluate_rollout",
     "frechet_distance",
     "fvd",
     "gaussian_stats",
@@ -43,28 +39,12 @@ __all__ = [
     "max_psnr_decay",
     "per_frame_table",
     "psnr_per_frame",
-    "read_eval_json",
     "span_label",
+    "spatial_gradient_per_frame",
     "ssim_per_frame",
     "summarise_by_span",
-    "to_jsonable",
-    "write_eval_json",
     "write_metrics_csv",
 ]
-
-#: Version tag written into every eval.json so readers can tell formats apart.
-EVAL_FORMAT = "arvdm.eval/1"
-
-#: Keys every eval.json must carry (issue 6); write_eval_json refuses a result without them.
-REQUIRED_EVAL_KEYS = (
-    "psnr_by_span",
-    "ssim_by_span",
-    "max_psnr_decay",
-    "retrieval_by_span",
-    "retrieval_threshold",
-    "n_frames",
-    "n_probes",
-)
 
 # Frames per torchmetrics call: bounds the memory of SSIM's five filtered maps on long rollouts.
 _FRAMES_PER_CALL = 256
@@ -259,6 +239,20 @@ def lpips_per_frame(
 # --------------------------------------------------------------------------------------------------------
 
 
+def spatial_gradient_per_frame(x: Tensor) -> Tensor:
+    """Mean absolute spatial gradient of every frame: mean of |x[.., i, j+1] − x[.., i, j]| and
+    |x[.., i+1, j] − x[.., i, j]| over pixels and channels. (B, T, C, H, W) -> (B, T) float32.
+
+    Its ratio generated / real tells sharp frames (≈ 1) from noise (≫ 1) and blur (≪ 1).
+    """
+    if x.ndim != 5:
+        raise ValueError(f"spatial_gradient_per_frame: expected (B, T, C, H, W), got {tuple(x.shape)}")
+    x = x.float()
+    dx = (x[..., :, 1:] - x[..., :, :-1]).abs().mean(dim=(2, 3, 4))  # (B, T)
+    dy = (x[..., 1:, :] - x[..., :-1, :]).abs().mean(dim=(2, 3, 4))  # (B, T)
+    return 0.5 * (dx + dy)
+
+
 def span_label(start: int, end: float | None) -> str:
     """Human label of a span of frame indices [start, end): ``"0-16"``, or ``"112+"`` for an open end."""
     if end is None or (isinstance(end, float) and math.isinf(end)):
@@ -331,7 +325,8 @@ def _batch_mean(x: Tensor | None, name: str, t: int) -> list[float] | None:
 
 
 def per_frame_table(
-    psnr: Tensor, ssim: Tensor, lpips: Tensor | None = None, frame_offset: int = 0
+    psnr: Tensor, ssim: Tensor, lpips: Tensor | None = None, frame_offset: int = 0,
+    extra: Mapping[str, Tensor] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of ``metrics.csv``: one per frame index, the metrics averaged over the batch.
 
@@ -339,8 +334,10 @@ def per_frame_table(
         psnr, ssim: (B, T) or (T,) per-frame values (from ``psnr_per_frame`` / ``ssim_per_frame``).
         lpips: optional (B, T) values.
         frame_offset: added to the frame index (e.g. the number of context frames, to index the episode).
+        extra: more (B, T) columns by name (e.g. ``psnr_copy_last``), written after the model's.
     Returns:
-        ``[{"frame", "psnr", "ssim", ["lpips",] "n"}, ...]`` where ``n`` is the batch size behind each mean.
+        ``[{"frame", "psnr", "ssim", ["lpips",] *extra, "n"}, ...]`` where ``n`` is the batch size behind
+        each mean.
     """
     psnr_t = torch.as_tensor(psnr)
     t = psnr_t.shape[-1]
@@ -348,6 +345,8 @@ def per_frame_table(
     cols = {"psnr": _batch_mean(psnr, "psnr", t), "ssim": _batch_mean(ssim, "ssim", t)}
     if lpips is not None:
         cols["lpips"] = _batch_mean(lpips, "lpips", t)
+    for name, values in (extra or {}).items():
+        cols[name] = _batch_mean(values, name, t)
     rows = []
     for i in range(t):
         row: dict[str, Any] = {"frame": i + frame_offset}
@@ -363,9 +362,10 @@ def write_metrics_csv(
     ssim: Tensor,
     lpips: Tensor | None = None,
     frame_offset: int = 0,
+    extra: Mapping[str, Tensor] | None = None,
 ) -> Path:
-    """Write ``per_frame_table(...)`` as CSV (header ``frame,psnr,ssim[,lpips],n``) atomically."""
-    rows = per_frame_table(psnr, ssim, lpips, frame_offset)
+    """Write ``per_frame_table(...)`` as CSV (header ``frame,psnr,ssim[,lpips][,extra...],n``) atomically."""
+    rows = per_frame_table(psnr, ssim, lpips, frame_offset, extra)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["frame", "psnr", "ssim", "n"])
     writer.writeheader()
@@ -490,155 +490,3 @@ def fvd(
     fr = i3d_features(real, i3d, batch_size=batch_size, i3d_kwargs=i3d_kwargs)
     ff = i3d_features(fake, i3d, batch_size=batch_size, i3d_kwargs=i3d_kwargs)
     return frechet_distance(*gaussian_stats(fr), *gaussian_stats(ff))
-
-
-# --------------------------------------------------------------------------------------------------------
-# Whole-rollout evaluation and eval.json
-# --------------------------------------------------------------------------------------------------------
-
-
-def _split_generated(fake: Tensor, real: Tensor, context: int) -> Tensor:
-    """Return the generated part of ``fake`` (B, T - context, ...) given a full ground-truth ``real``."""
-    t_real, t_fake = real.shape[1], fake.shape[1]
-    if not 0 <= context < t_real:
-        raise ValueError(f"evaluate_rollout: context={context} must be in [0, {t_real}) (frames of real)")
-    if t_fake == t_real:
-        return fake[:, context:]  # full video: context frames then generated ones
-    if t_fake == t_real - context:
-        return fake  # generated frames only
-    raise ValueError(
-        f"evaluate_rollout: fake has {t_fake} frames; expected {t_real} (context + generated, like real) "
-        f"or {t_real - context} (generated only, real has {t_real} = {context} context + generated)"
-    )
-
-
-def evaluate_rollout(
-    fake: Tensor,
-    real: Tensor,
-    poses: Tensor | None,
-    context: int,
-    window_reach: int,
-    threshold: float | None = None,
-    *,
-    span: int = 16,
-    pos_tol: float = 0.5,
-    heading_tol: float = math.radians(20.0),
-    bins: Sequence[tuple[float, float]] | None = None,
-    n_random_per_probe: int = 4,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Everything eval.json reports for a batch of rollouts against their ground-truth episodes.
-
-    Args:
-        fake: generated frames, either (B, T - context, C, H, W) or the full (B, T, C, H, W) whose first
-            ``context`` frames are the conditioning frames.
-        real: ground-truth episodes (B, T, C, H, W) in [-1, 1], context frames included.
-        poses: ground-truth poses (B, T, 3) = (x, y, heading in radians), or None to skip retrieval.
-        context: number of ground-truth frames the rollout was conditioned on.
-        window_reach: frames the network sees without its memory (revisits with gap <= this are not
-            probes; see ``arvdm.retrieval.find_revisits``).
-        threshold: retrieval SSIM threshold; None calibrates it on the ground truth of these episodes
-            (true revisit pairs vs random pairs, ``arvdm.retrieval.calibrate_threshold``).
-        span: frames per span of the PSNR / SSIM summaries.
-        pos_tol, heading_tol: pose tolerances of a revisit (position units of the pose, radians).
-        bins: gap bins of the retrieval rates (default ``arvdm.retrieval.DEFAULT_BINS``).
-        n_random_per_probe, seed: random (non-revisit) pairs drawn per probe for calibration.
-    Returns:
-        A JSON-ready dict; see docs/sections/evaluation.md for every field.
-    """
-    from arvdm import retrieval as R
-
-    _check_videos(real, real, "evaluate_rollout")
-    gen = _split_generated(fake, real, context)  # (B, N, C, H, W)
-    target = real[:, context:]  # (B, N, C, H, W)
-    _check_videos(gen, target, "evaluate_rollout")
-    b, n = gen.shape[:2]
-
-    psnr = psnr_per_frame(gen, target)  # (B, N)
-    ssim = ssim_per_frame(gen, target)  # (B, N)
-    psnr_spans = summarise_by_span(psnr, span)
-    ssim_spans = summarise_by_span(ssim, span)
-    # Label the worst span for the reader; NaN spans (no values) cannot be the worst.
-    ranked = [s for s in psnr_spans if not math.isnan(s["mean"])] or psnr_spans
-    first, worst = psnr_spans[0], min(ranked, key=lambda s: s["mean"])
-    result: dict[str, Any] = {
-        "format": EVAL_FORMAT,
-        "n_episodes": b,
-        "context": context,
-        "n_generated": n,
-        "n_frames": b * n,
-        "span": span,
-        "psnr_by_span": psnr_spans,
-        "ssim_by_span": ssim_spans,
-        "max_psnr_decay": max_psnr_decay(psnr_spans),
-        "max_psnr_decay_spans": {"first": first["label"], "worst": worst["label"]},
-        "psnr_mean": float(psnr.double().mean()),
-        "ssim_mean": float(ssim.double().mean()),
-        "psnr_curve": psnr.double().mean(0).tolist(),
-        "ssim_curve": ssim.double().mean(0).tolist(),
-    }
-    result.update(
-        R.evaluate_retrieval(
-            gen,
-            real,
-            poses,
-            context=context,
-            window_reach=window_reach,
-            threshold=threshold,
-            pos_tol=pos_tol,
-            heading_tol=heading_tol,
-            bins=bins,
-            n_random_per_probe=n_random_per_probe,
-            seed=seed,
-        )
-    )
-    return result
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Recursively turn tensors / numpy values / tuples into JSON types; NaN and ±inf become None.
-
-    Strict JSON has no NaN or Infinity, and other tools (jq, JavaScript) reject Python's extensions.
-    """
-    if isinstance(obj, Tensor) or (hasattr(obj, "tolist") and not isinstance(obj, (str, bytes))):
-        obj = obj.tolist()
-    if isinstance(obj, Mapping):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
-
-
-def write_eval_json(
-    path: str | os.PathLike, result: Mapping[str, Any], extra: Mapping[str, Any] | None = None
-) -> Path:
-    """Write an evaluation result (``evaluate_rollout``'s dict, plus ``extra`` such as the run's config)
-    to ``path`` as indented JSON, atomically. Raises ``KeyError`` naming any of ``REQUIRED_EVAL_KEYS``
-    that is missing, so a partial result never reaches the experiment tables.
-    """
-    data = dict(result)
-    if extra:
-        data.update(extra)
-    missing = [k for k in REQUIRED_EVAL_KEYS if k not in data]
-    if missing:
-        raise KeyError(f"write_eval_json: result lacks required fields {missing}")
-    data.setdefault("format", EVAL_FORMAT)
-    text = json.dumps(to_jsonable(data), indent=2, allow_nan=False) + "\n"
-    return atomic_write_text(path, text)
-
-
-def read_eval_json(path: str | os.PathLike) -> dict[str, Any]:
-    """Load an eval.json written by ``write_eval_json`` (clear error naming the file if it is not one)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"read_eval_json: cannot read {path}: {e}") from None
-    missing = [k for k in REQUIRED_EVAL_KEYS if k not in data]
-    if missing:
-        raise ValueError(f"read_eval_json: {path} lacks required fields {missing}")
-    return data

@@ -240,14 +240,16 @@ class Block(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    """AdaLN + linear to patch pixels, zero-initialised so the initial prediction is v = 0."""
+    """AdaLN + linear from tokens to patch values (pixels, or the decoder's lowest feature map)."""
 
-    def __init__(self, dim: int, patch_pixels: int):
+    def __init__(self, dim: int, patch_values: int, zero_init: bool = True):
         super().__init__()
         self.norm = nn.LayerNorm(dim, elementwise_affine=False)
         self.ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
-        self.linear = nn.Linear(dim, patch_pixels)
-        for lin in (self.ada[1], self.linear):
+        self.linear = nn.Linear(dim, patch_values)
+        # Zero-init when this layer writes pixels (v = 0 at the start); in front of a conv decoder the
+        # decoder's last conv is the zero-init one and this layer must pass gradients from step one.
+        for lin in (self.ada[1], self.linear) if zero_init else (self.ada[1],):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
 
@@ -255,6 +257,81 @@ class FinalLayer(nn.Module):
         shift, scale = self.ada(cond).chunk(2, dim=-1)  # (B,T,D) each
         return self.linear(modulate(self.norm(h), shift, scale))  # (B,T,N,p*p*C)
 
+
+
+class ResBlock(nn.Module):
+    """Convolutional residual block with adaptive group norm (per-frame scale/shift from the cond).
+
+    Works on frames folded into the batch: x (B*T,C,H,W), cond (B*T,D). As in Diffusion Forcing's
+    and DDPM's U-Nets, the noise level (and here the action) enters every block through the norm.
+    """
+
+    def __init__(self, c_in: int, c_out: int, cond_dim: int):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(_groups(c_in), c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.norm2 = nn.GroupNorm(_groups(c_out), c_out, affine=False)
+        self.ada = nn.Linear(cond_dim, 2 * c_out)  # -> (scale, shift) of norm2
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
+        nn.init.zeros_(self.conv2.weight)  # every block starts as its skip path
+        nn.init.zeros_(self.conv2.bias)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))  # (B*T,Co,H,W)
+        scale, shift = self.ada(cond)[:, :, None, None].chunk(2, dim=1)  # (B*T,Co,1,1) each
+        h = self.conv2(F.silu(self.norm2(h) * (1 + scale) + shift))
+        return self.skip(x) + h
+
+
+def _groups(channels: int) -> int:
+    """GroupNorm groups: 8 when they divide the channels (small U-Nets), else the largest divisor <= 8."""
+    return next(g for g in (8, 4, 2, 1) if channels % g == 0)
+
+
+class ConvEncoder(nn.Module):
+    """Per-frame convolutional path down to the token grid: one ResBlock per level, stride-2 between.
+
+    Level i runs at image_size / 2**i with `channels[i]` channels; its output is kept as a skip for
+    the decoder. The last level's feature map (image_size / 2**(L-1)) is what the patch embedding
+    turns into tokens, so the transformer blocks (temporal attention, memory, KV caches) run at the
+    lowest resolution, where a frame is a few dozen tokens.
+    """
+
+    def __init__(self, in_channels: int, channels: list[int], cond_dim: int):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, channels[0], 3, padding=1)
+        self.down = nn.ModuleList(nn.Conv2d(a, b, 3, stride=2, padding=1) for a, b in zip(channels, channels[1:]))
+        self.blocks = nn.ModuleList(ResBlock(c, c, cond_dim) for c in channels)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h, skips = self.stem(x), []  # (B*T,c0,H,W)
+        for i, blk in enumerate(self.blocks):
+            if i > 0:
+                h = self.down[i - 1](h)  # (B*T,ci,H/2^i,W/2^i)
+            h = blk(h, cond)
+            skips.append(h)
+        return h, skips
+
+
+class ConvDecoder(nn.Module):
+    """Mirror of `ConvEncoder`: per level, concat the skip, ResBlock, upsample; a zero-init conv to pixels."""
+
+    def __init__(self, out_channels: int, channels: list[int], cond_dim: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(ResBlock(2 * c, c, cond_dim) for c in channels)
+        self.up = nn.ModuleList(nn.Conv2d(b, a, 3, padding=1) for a, b in zip(channels, channels[1:]))
+        self.norm = nn.GroupNorm(_groups(channels[0]), channels[0])
+        self.out = nn.Conv2d(channels[0], out_channels, 3, padding=1)
+        nn.init.zeros_(self.out.weight)  # training starts from v = 0
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, h: torch.Tensor, skips: list[torch.Tensor], cond: torch.Tensor) -> torch.Tensor:
+        for i in reversed(range(len(self.blocks))):
+            h = self.blocks[i](torch.cat([h, skips[i]], dim=1), cond)  # (B*T,ci,.,.)
+            if i > 0:
+                h = self.up[i - 1](F.interpolate(h, scale_factor=2.0, mode="nearest"))  # (B*T,c_{i-1},2x,2x)
+        return self.out(F.silu(self.norm(h)))  # (B*T,C,H,W)
 
 # ------------------------------------------------------------------------------------------------
 # rollout state
@@ -338,12 +415,17 @@ class Denoiser(nn.Module):
         self.structure, self.num_levels = mem.structure, cfg.diffusion.num_levels
         self.frames_per_chunk = mc.frames_per_chunk
         self.patch, self.channels, self.image_size = mc.patch_size, mc.channels, mc.image_size
-        self.grid = mc.image_size // mc.patch_size
+        self.grid = mc.token_grid  # tokens per side at the bottleneck
         self.num_tokens = self.grid ** 2  # N
         d = mc.dim
         self.null_action = mc.num_actions  # extra embedding row: "no action" (latent memory frames)
 
-        self.patch_embed = nn.Linear(mc.channels * mc.patch_size ** 2, d)
+        # Spatial path: optional conv U-Net levels (model.unet_channels) around the token grid.
+        unet = list(mc.unet_channels)
+        self.encoder = ConvEncoder(mc.channels, unet, d) if unet else None
+        self.decoder = ConvDecoder(mc.channels, unet, d) if unet else None
+        token_in = unet[-1] if unet else mc.channels  # channels of the map that is patchified
+        self.patch_embed = nn.Linear(token_in * mc.patch_size ** 2, d)
         self.pos_embed = nn.Parameter(torch.randn(1, 1, self.num_tokens, d) * 0.02)  # learned 2-D grid
         self.level_embed = LevelEmbedding(d, cfg.diffusion.num_levels)
         self.action_embed = nn.Embedding(mc.num_actions + 1, d)
@@ -351,7 +433,7 @@ class Denoiser(nn.Module):
         self.blocks = nn.ModuleList(
             Block(d, mc.heads, mc.mlp_ratio, mc.temporal_attention, mc.frames_per_chunk,
                   cross=mem.structure == "cross_attention") for _ in range(mc.depth))
-        self.final = FinalLayer(d, mc.channels * mc.patch_size ** 2)
+        self.final = FinalLayer(d, token_in * mc.patch_size ** 2, zero_init=self.decoder is None)
 
         # memory path
         self.compressor = build_compressor(mem.compressor, dim=d, heads=mc.heads, num_tokens=self.num_tokens,
@@ -400,15 +482,25 @@ class Denoiser(nn.Module):
         if window % c:
             raise DenoiserError(f"schedule window={window} is not a multiple of model.frames_per_chunk={c}")
 
-    def _embed_frames(self, x: torch.Tensor) -> torch.Tensor:
-        """(B,T,C,H,W) -> tokens (B,T,N,D) with the spatial position embedding."""
-        p = self.patch
-        x = rearrange(x, "b t c (h p1) (w p2) -> b t (h w) (p1 p2 c)", p1=p, p2=p)  # (B,T,N,p*p*C)
-        return self.patch_embed(x) + self.pos_embed  # (B,T,N,D)
+    def _embed_frames(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+        """(B,T,C,H,W) frames, (B,T,D) cond -> tokens (B,T,N,D) with the position embedding, and the
+        encoder's skips (per level (B*T,c,h,w); None without conv levels)."""
+        b, t, p = x.shape[0], x.shape[1], self.patch
+        skips = None
+        if self.encoder is not None:
+            f, skips = self.encoder(x.flatten(0, 1), cond.flatten(0, 1))  # (B*T,c,h,w)
+            x = f.unflatten(0, (b, t))  # (B,T,c,h,w)
+        x = rearrange(x, "b t c (h p1) (w p2) -> b t (h w) (p1 p2 c)", p1=p, p2=p)  # (B,T,N,p*p*c)
+        return self.patch_embed(x) + self.pos_embed, skips  # (B,T,N,D)
 
-    def _unpatchify(self, y: torch.Tensor) -> torch.Tensor:
+    def _unpatchify(self, y: torch.Tensor, skips: list | None, cond: torch.Tensor) -> torch.Tensor:
+        """Tokens' patch values (B,T,N,p*p*c) -> v (B,T,C,H,W), through the conv decoder if there is one."""
         p, g = self.patch, self.grid
-        return rearrange(y, "b t (h w) (p1 p2 c) -> b t c (h p1) (w p2)", h=g, w=g, p1=p, p2=p)  # (B,T,C,H,W)
+        f = rearrange(y, "b t (h w) (p1 p2 c) -> b t c (h p1) (w p2)", h=g, w=g, p1=p, p2=p)  # (B,T,c,h,w)
+        if self.decoder is None:
+            return f
+        b, t = f.shape[:2]
+        return self.decoder(f.flatten(0, 1), skips, cond.flatten(0, 1)).unflatten(0, (b, t))  # (B,T,C,H,W)
 
     def _cond(self, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         return self.level_embed(levels) + self.action_embed(actions)  # (B,T,D)
@@ -470,7 +562,7 @@ class Denoiser(nn.Module):
         if self.structure == "channel_concat" and self.compressor is None and m > self.memory_slots:
             raise DenoiserError(f"channel_concat has {self.memory_slots} memory slots (memory.length), got "
                                 f"{m} memory frames")
-        tokens = self._embed_frames(mem.frames)  # (B,m,N,D)
+        tokens, _ = self._embed_frames(mem.frames, self._cond(torch.zeros_like(mem.actions), mem.actions))
         ages = start - pos  # (m,)
         if self.compressor is None:
             return _Memory(tokens, mem.actions, pos, ages, latent=False)
@@ -525,8 +617,8 @@ class Denoiser(nn.Module):
         if memory is not None and state is not None:
             raise DenoiserError("give either memory= (explicit frames) or state= (cached rollout), not both")
         b, t = x.shape[:2]
-        h = self._embed_frames(x)  # (B,T,N,D)
         cond = self._cond(levels, actions)  # (B,T,D)
+        h, skips = self._embed_frames(x, cond)  # (B,T,N,D)
         win_cond = cond
         n_prefix, prefix_chunk, pasts, cross_kv = 0, 1, None, None
 
@@ -560,7 +652,7 @@ class Denoiser(nn.Module):
         h, _ = self._run(h, cond, pos, pasts=pasts, n_prefix=n_prefix, prefix_chunk=prefix_chunk,
                          cross_kv=cross_kv)
         h = h[:, n_prefix:]  # the window's tokens only (B,T,N,D)
-        return self._unpatchify(self.final(h, win_cond))  # (B,T,C,H,W)
+        return self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C,H,W)
 
     # -- cached rollout ----------------------------------------------------------------------------
     def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None) -> RolloutState:
@@ -611,8 +703,8 @@ class Denoiser(nn.Module):
         self._check_actions(actions, (b, n), "actions")
         start = state.n_committed
         if self.structure == "prepend" and self.compressor is None:
-            h = self._embed_frames(frames)  # (B,n,N,D)
             cond = self._cond(torch.zeros_like(actions), actions)  # clean frames: level 0
+            h, _ = self._embed_frames(frames, cond)  # (B,n,N,D)
             pos = start + torch.arange(n, device=frames.device)  # (n,)
             _, kvs = self._run(h, cond, pos, pasts=[c.keys_values() for c in state.caches], n_prefix=n,
                                prefix_chunk=self.frames_per_chunk)

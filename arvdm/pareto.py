@@ -188,6 +188,7 @@ def plot_error_accumulation(
     reference: Mapping[str, Mapping[str, float]] | None = None,
     ylabel: str = "PSNR (dB)",
     title: str = "Error accumulation: PSNR vs frame index",
+    baselines: Mapping[str, Any] | None = None,
 ) -> Path:
     """Line plot of a per-frame metric against generated frame index, one line per configuration.
 
@@ -196,6 +197,8 @@ def plot_error_accumulation(
         span: dotted vertical lines at span boundaries (the spans of the summaries).
         reference: optional name -> {span label "a-b": value}, e.g. ``paper_reference()["psnr_by_span"]``,
             drawn as dashed markers at the span centres.
+        baselines: optional name -> per-frame values of a trivial predictor (copy-last, context-mean; see
+            ``arvdm.baselines``), drawn as grey reference lines: a curve below them is not a result.
     """
     if not curves:
         raise ValueError("plot_error_accumulation: no curves given")
@@ -206,6 +209,10 @@ def plot_error_accumulation(
         y = _as_list(values)
         t_max = max(t_max, len(y))
         ax.plot(range(len(y)), y, label=name, linewidth=1.5)
+    for (name, values), style in zip((baselines or {}).items(), ("-", "--", ":", "-.")):
+        y = _as_list(values)
+        t_max = max(t_max, len(y))
+        ax.plot(range(len(y)), y, color="0.45", linestyle=style, linewidth=1.2, label=f"baseline: {name}")
     for name, spans in (reference or {}).items():
         xs, ys = [], []
         for label, v in spans.items():

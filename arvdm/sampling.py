@@ -10,7 +10,9 @@ out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, 
 - ``rollout.png``  a filmstrip: for up to 4 episodes, ground truth above generated, 10 frames over time;
 - ``rollout.npz``  ``real`` and ``fake`` uint8 (N, T, H, W, 3), context included (the fake's context frames
   are the ground truth it was given), as TECO's evaluation scripts read them;
-- ``metrics.csv``  PSNR and SSIM per generated frame index (0 = first generated frame), mean over episodes;
+- ``metrics.csv``  per generated frame index (0 = first generated frame), mean over episodes: the model's
+  PSNR and SSIM, the copy-last and context-mean baselines' (``psnr_copy_last``, ...) and the
+  spatial-gradient ratio generated / real (``arvdm.baselines``);
 - ``eval.json``    with ``evaluate=True``: spans, max PSNR decay, revisit retrieval (see arvdm.metrics).
 """
 
@@ -26,9 +28,11 @@ import torch
 
 from data.episodes import atomic_write
 
+from .baselines import BASELINES, baseline_frames, compare_with_baselines
 from .checkpoint import load_for_inference
 from .diffusion import PerFrameDiffusion
-from .metrics import evaluate_rollout, psnr_per_frame, ssim_per_frame, write_eval_json, write_metrics_csv
+from .evaluate import evaluate_rollout, write_eval_json
+from .metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, write_metrics_csv
 from .pipeline import rollout
 from .schedules import get_schedule
 from .video import filmstrip, side_by_side, to_uint8, write_image, write_video
@@ -51,6 +55,7 @@ class SampleSettings:
     use_cache: bool = True  # False = recompute the memory at every denoising call (Diffusion Forcing)
     evaluate: bool = False
     data: str | None = None  # TECO-layout folder; None = the run's own cfg.data.path
+    split: str = "validation"  # which split of the data folder to roll out (validation | training)
     use_ema: bool = True
     device: str = "auto"
     progress: bool = True
@@ -71,7 +76,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         raise SamplingError(f"--context {context} must be a non-negative multiple of the checkpoint's "
                             f"frames_per_chunk={c}")
     real, actions, poses = load_validation_episodes(settings.data or cfg.data.path, cfg, settings.episodes,
-                                                    context, settings.frames)
+                                                    context, settings.frames, split=settings.split)
     n_gen = real.shape[1] - context
     if n_gen < 1:
         raise SamplingError(f"nothing to generate: episodes hold {real.shape[1]} frames and --context is {context}")
@@ -94,12 +99,21 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         "filmstrip": write_image(out / "rollout.png", filmstrip(real[:4], fake[:4])),
         "arrays": _write_npz(out / "rollout.npz", real=to_uint8(real), fake=to_uint8(fake)),
     }
-    psnr = psnr_per_frame(gen, real[:, context:])  # (N, n_gen)
-    ssim = ssim_per_frame(gen, real[:, context:])  # (N, n_gen)
-    paths["metrics"] = write_metrics_csv(out / "metrics.csv", psnr, ssim)
+    target = real[:, context:]  # (N, n_gen, C, H, W)
+    psnr, ssim = psnr_per_frame(gen, target), ssim_per_frame(gen, target)  # (N, n_gen) each
+    extra = {"gradient_ratio": spatial_gradient_per_frame(gen) / spatial_gradient_per_frame(target).clamp(min=1e-12)}
+    if context >= 1:  # the trivial predictors, frame by frame, beside the model
+        for kind in BASELINES:
+            pred = baseline_frames(real, context, n_gen, kind)
+            extra[f"psnr_{kind}"], extra[f"ssim_{kind}"] = psnr_per_frame(pred, target), ssim_per_frame(pred, target)
+    paths["metrics"] = write_metrics_csv(out / "metrics.csv", psnr, ssim, extra=extra)
     summary: dict[str, Any] = {"psnr_mean": float(psnr[torch.isfinite(psnr)].mean()),
                                "ssim_mean": float(ssim.mean()), "frames": n_gen, "context": context,
                                "episodes": real.shape[0], "schedule": schedule.name}
+    if context >= 1:
+        cmp = compare_with_baselines(gen, real, context)
+        summary.update(first_frames=cmp["first_frames"], gradient_ratio_first16=cmp["gradient_ratio_first16"],
+                       verdict=cmp["verdict"]["message"])
     if settings.evaluate:
         result = evaluate_rollout(fake, real, poses, context, window_reach=cfg.train.window)
         paths["eval"] = write_eval_json(out / "eval.json", result, extra={
@@ -109,16 +123,16 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     return {"paths": {k: str(v) for k, v in paths.items()}, "summary": summary}
 
 
-def load_validation_episodes(root: str | os.PathLike, cfg, n_episodes: int, context: int,
-                             frames: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The first `n_episodes` validation episodes from frame 0, at the run's resolution.
+def load_validation_episodes(root: str | os.PathLike, cfg, n_episodes: int, context: int, frames: int | None,
+                             split: str = "validation") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The first `n_episodes` episodes of `split` (default validation) from frame 0, at the run's resolution.
 
     Returns video (N, T, C, H, W) in [-1, 1], actions (N, T) int64 and pose (N, T, 3) or None, with
     T = context + frames (frames=None: the longest T every chosen episode holds).
     """
     from data.dataset import ClipDataset, resolve_split
 
-    split = resolve_split(root, "validation")
+    split = resolve_split(root, split)
     skip = cfg.data.frame_skip
     probe = ClipDataset(split, n_frames=1, frame_skip=skip, random_start=True, resize=cfg.data.resize,
                         skip_bad=cfg.data.skip_bad_files, progress=False)

@@ -53,7 +53,6 @@ from arvdm.checkpoint import (
 from arvdm.config import Config, ConfigError
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
-SAMPLE_CONTEXT = 4  # ground-truth frames the periodic sample video conditions on
 SAMPLE_WINDOWS = 2  # ... and how many windows of frames it then generates
 SAMPLE_STEPS = 20  # denoising steps per AR step for the sample video (chunked schedule)
 SAMPLE_CLIPS = 2  # validation clips in the sample video (stacked vertically)
@@ -212,13 +211,15 @@ def memory_frames(frames: torch.Tensor, actions: torch.Tensor):
 
 
 def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int,
-                           num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext):
-    """Sum over frames of the per-frame v-MSE, and how many frames were counted.
+                           num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
+                           weight: str = "uniform", gamma: float = 5.0):
+    """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
     Each window frame draws its own level in 0..K (diffusion forcing). Frames that drew level 0 are clean
     inputs: their v-target is pure noise the model cannot know, so they condition the others but are
-    left out of the loss (they still teach it to read clean frames in the window).
+    left out of the loss (they still teach it to read clean frames in the window). `weight` is
+    `PerFrameDiffusion.loss_weight`'s kind (uniform or min_snr with `gamma`).
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -232,8 +233,9 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     with autocast():
         v = model(x_t, levels, act, memory=mem)
     per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
-    counted = (levels > 0).to(per_frame.dtype)
-    return (per_frame * counted).sum(), counted.sum()
+    counted = (levels > 0).to(per_frame.dtype)  # (B, w)
+    w_levels = diffusion.loss_weight(levels, weight, gamma).to(per_frame.dtype)  # (B, w)
+    return (per_frame * w_levels * counted).sum(), counted.sum()
 
 
 def lr_factor(step: int, warmup: int, max_steps: int) -> float:
@@ -340,8 +342,9 @@ class Trainer:
         self.net.train()
         video = batch["video"].to(self.device, non_blocking=True)  # (B, m+w, C, H, W)
         actions = batch["actions"].to(self.device, non_blocking=True)  # (B, m+w)
+        tc = self.cfg.train
         total, count = diffusion_forcing_loss(self.net, self.diffusion, video, actions, self.m, self.K,
-                                              self.generator, self.autocast)
+                                              self.generator, self.autocast, tc.loss_weight, tc.min_snr_gamma)
         loss = total / count.clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -456,7 +459,8 @@ class Trainer:
         from arvdm.schedules import get_schedule
 
         chunk = self.cfg.model.frames_per_chunk
-        ctx = -(-SAMPLE_CONTEXT // chunk) * chunk  # the model commits whole chunks of context
+        # as many ground-truth frames as the model remembers in training (whole chunks), as sample.py does
+        ctx = -(-max(self.m, 1) // chunk) * chunk
         n_gen = SAMPLE_WINDOWS * self.w
         if not hasattr(self, "_sample_ds"):
             from data.dataset import DatasetError

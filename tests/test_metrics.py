@@ -8,18 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from arvdm.evaluate import REQUIRED_EVAL_KEYS, read_eval_json, write_eval_json
 from arvdm.metrics import (
-    REQUIRED_EVAL_KEYS,
     frechet_distance,
     fvd,
     gaussian_stats,
     lpips_per_frame,
     max_psnr_decay,
     psnr_per_frame,
-    read_eval_json,
     ssim_per_frame,
     summarise_by_span,
-    write_eval_json,
     write_metrics_csv,
 )
 

@@ -14,8 +14,13 @@ B, C, S, A = 2, 3, 16, 4  # batch, channels, image size, actions
 STRUCTURES = ["prepend", "channel_concat", "cross_attention"]
 
 
+DIT = ["model.unet_channels=[]", "model.patch_size=4"]  # the plain patch DiT (no conv levels)
+
+
 def tiny_cfg(*overrides):
-    base = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
+    # a small conv U-Net: 8 channels at 16 px, 16 at 8 px, then 2x2 patches -> 4x4 tokens per frame
+    base = ["model.image_size=16", "model.unet_channels=[8,16]", "model.patch_size=2", "model.dim=32",
+            "model.depth=2", "model.heads=2",
             f"model.num_actions={A}", "diffusion.num_levels=100", "memory.length=4"]
     return apply_overrides(get_preset("tiny"), base + list(overrides))
 
@@ -48,8 +53,9 @@ def lv(t, seed=0):
 # -- shapes, init, causality --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("form", ["factorized", "full"])
-def test_forward_shape_zero_init_and_nonzero_after_one_step(form):
-    model = make(f"model.temporal_attention={form}", perturb=False).train()
+@pytest.mark.parametrize("backbone", [[], DIT], ids=["unet", "dit"])
+def test_forward_shape_zero_init_and_nonzero_after_one_step(form, backbone):
+    model = make(f"model.temporal_attention={form}", *backbone, perturb=False).train()
     x = frames(4)
     v = model(x, lv(4), acts(4))
     assert v.shape == x.shape
@@ -62,8 +68,9 @@ def test_forward_shape_zero_init_and_nonzero_after_one_step(form):
 
 
 @pytest.mark.parametrize("form", ["factorized", "full"])
-def test_chunked_causality(form):
-    model = make(f"model.temporal_attention={form}", "model.frames_per_chunk=2")
+@pytest.mark.parametrize("backbone", [[], DIT], ids=["unet", "dit"])
+def test_chunked_causality(form, backbone):
+    model = make(f"model.temporal_attention={form}", "model.frames_per_chunk=2", *backbone)
     x, levels, a = frames(6), lv(6), acts(6)
     with torch.no_grad():
         base = model(x, levels, a)
@@ -120,13 +127,15 @@ CACHED_CASES = [
     ("cross_attention", "factorized", 1, "none"),
     ("cross_attention", "full", 2, "modulated"),
 ]
+CACHED_CASES = [(*case, []) for case in CACHED_CASES] + [("prepend", "factorized", 1, "none", DIT),
+                                                         ("prepend", "full", 2, "joint", DIT)]
 
 
-@pytest.mark.parametrize("structure, form, chunk, compressor", CACHED_CASES)
-def test_cached_equals_uncached(structure, form, chunk, compressor):
+@pytest.mark.parametrize("structure, form, chunk, compressor, backbone", CACHED_CASES)
+def test_cached_equals_uncached(structure, form, chunk, compressor, backbone):
     retention = "all" if structure == "prepend" else "last"
     budget = 2 if compressor != "none" else 0
-    model = make(f"memory.structure={structure}", f"model.temporal_attention={form}",
+    model = make(*backbone, f"memory.structure={structure}", f"model.temporal_attention={form}",
                  f"model.frames_per_chunk={chunk}", f"memory.compressor={compressor}", f"memory.budget={budget}",
                  f"memory.retention={retention}")
     past, past_a = frames(6, seed=1), acts(6, seed=1)

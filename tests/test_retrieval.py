@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from arvdm.metrics import evaluate_rollout, write_eval_json
+from arvdm.evaluate import evaluate_rollout, write_eval_json
 from arvdm.retrieval import (
     Probe,
     calibrate_threshold,
@@ -167,7 +167,7 @@ def test_evaluate_rollout_known_retrieval_rate(tmp_path):
     # The model "remembers" until frame 33 and produces unrelated frames from 34 on.
     fake[0, 34 - context:] = torch.rand(48 - 34, 3, 16, 16, generator=g) * 2 - 1
     r = evaluate_rollout(fake, real, poses[None], context=context, window_reach=8,
-                         pos_tol=0.1, heading_tol=0.1)
+                         pos_tol=0.1, heading_tol=0.1, criterion="threshold")
     # Probes: t = 20..47 revisit t - 20 (gap 20 > reach 8) -> 28 probes, all in the 16-48 bin;
     # t = 20..33 are reproduced exactly -> 14 hits.
     by = {b["bin"]: b for b in r["retrieval_by_span"]}
@@ -205,3 +205,22 @@ def test_evaluate_rollout_given_threshold_full_fake_and_no_poses():
     assert r["n_probes"] == 0 and r["retrieval_mean"] is None and "retrieval_skipped" in r
     with pytest.raises(ValueError, match="expected 48"):
         evaluate_rollout(real[:, :10], real, None, context=context, window_reach=8)
+
+
+def test_rank_criterion_perfect_memory_scores_one_and_noise_scores_chance():
+    context = 4
+    video, poses = _periodic_episode(t_len=200, seed=3)
+    real = video[None]  # (1, 200, 3, 16, 16): 180 probes (t = 20..199), each revisiting its place 20 frames back
+    perfect = evaluate_rollout(real[:, context:].clone(), real, poses[None], context=context, window_reach=8,
+                               pos_tol=0.1, heading_tol=0.1)
+    assert perfect["retrieval_settings"]["criterion"] == "rank" and perfect["retrieval_chance"] == 0.2
+    assert perfect["n_probes"] == 180 and perfect["retrieval_overall"] == 1.0
+    g = torch.Generator().manual_seed(4)
+    noise = torch.rand(1, 196, 3, 16, 16, generator=g) * 2 - 1  # a model with no memory at all
+    r = evaluate_rollout(noise, real, poses[None], context=context, window_reach=8, pos_tol=0.1, heading_tol=0.1)
+    # chance is 1/(4+1): 0.2 +- 4 standard errors (sqrt(0.2 * 0.8 / 180) = 0.03)
+    assert abs(r["retrieval_overall"] - 0.2) < 4 * 0.03
+    # the copy-last predictor is scored on the same probes
+    assert r["retrieval_baselines"]["copy_last"]["retrieval_mean"] is not None
+    with pytest.raises(ValueError, match="criterion"):
+        evaluate_rollout(noise, real, poses[None], context=context, window_reach=8, criterion="best")
