@@ -290,36 +290,45 @@ class HybridModel:
         self.last_state: Any = None
         self._pending: set[int] = set()
         self.fixed: tuple[list[int], list[float]] | None = None
+        self.streaming_layers: list[int] = []  # this wrapper's current choice
         if hybrid.select != "online":
             self.fixed = resolve_layers(hybrid, len(self.layers), offline)
-            convert(self.layers, self.fixed[0], sink=hybrid.sink, recent=hybrid.recent)
+            self.streaming_layers = list(self.fixed[0])
+        self._activate()
+
+    def _activate(self) -> None:
+        """Set the layers' switches to this wrapper's choice (several wrappers may share one model)."""
+        for i, layer in enumerate(self.layers):
+            want = (self.hybrid.sink, self.hybrid.recent) if i in self.streaming_layers else None
+            if layer.streaming != want:
+                layer.streaming = want
 
     def check_schedule(self, *args, **kwargs):
         return self.model.check_schedule(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        self._activate()
         return self.model(*args, **kwargs)
-
-    @property
-    def streaming_layers(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if layer.streaming is not None]
 
     def init_state(self, batch_size: int):
         h = self.hybrid
         if self.fixed is not None:
             chosen, ratios = self.fixed
-            convert(self.layers, chosen, sink=h.sink, recent=h.recent)
+            self.streaming_layers = list(chosen)
+            self._activate()
             state = self.model.init_state(batch_size, layer_policies=layer_policies(
                 self.base_policy, len(self.layers), chosen, h.sink, h.recent))
             self._record(chosen, ratios, h.select)
         else:
-            convert(self.layers, [], sink=h.sink, recent=h.recent)  # measure with every layer full
+            self.streaming_layers = []  # measure with every layer full
+            self._activate()
             state = self.model.init_state(batch_size)
             self._pending.add(id(state))
         self.last_state = state
         return state
 
     def commit(self, state, frames, actions, poses=None) -> None:
+        self._activate()
         if id(state) not in self._pending:
             self.model.commit(state, frames, actions, poses)
             return
@@ -339,6 +348,7 @@ class HybridModel:
             source = "offline (context too short)"
         convert(self.layers, chosen, sink=h.sink, recent=h.recent, caches=state.caches,
                 n_committed=state.n_committed)
+        self.streaming_layers = list(chosen)
         self._record(chosen, ratios, source)
 
     def _record(self, chosen: list[int], ratios: list[float], source: str) -> None:
@@ -353,6 +363,7 @@ class HybridModel:
 
     def restore(self) -> None:
         """Every layer back to full attention."""
+        self.streaming_layers = []
         convert(self.layers, [], sink=self.hybrid.sink, recent=self.hybrid.recent)
 
 
