@@ -572,8 +572,12 @@ def selection_strategies(ratios: Sequence[float], fraction: float, seed: int = 0
 def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75), episodes: int = 2,
                frames: int = 48, context: int | None = None, steps: int = 10, schedule: str = "chunked",
                data: str | None = None, overrides: Sequence[str] = (), device: str = "auto",
-               out: str | None = None, seed: int = 0, progress: bool = True) -> dict[str, Path]:
-    """Heat map, table and plots of hybrid attention for a run (see the module docstring)."""
+               out: str | None = None, seed: int = 0, memory: int | None = None,
+               progress: bool = True) -> dict[str, Path]:
+    """Heat map, table and plots of hybrid attention for a run (see the module docstring).
+
+    ``memory`` (default: the run's) makes the full layers and the bank keep the last ``memory`` frames.
+    """
     from data.episodes import atomic_write
 
     from .metrics import evaluate_rollout
@@ -586,6 +590,9 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
     h = _hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
     out_dir = Path(out) if out else _run_root(Path(run)) / "hybrid"
     out_dir.mkdir(parents=True, exist_ok=True)
+    if memory is not None:
+        for m in (model.cfg.memory, cfg.memory):
+            m.retention, m.length = "last", memory
     rpath = ratios_path(h, run)
     if not rpath.is_file():
         rpath = run_calibration(run, overrides=overrides, device=device, data=data, progress=progress)
@@ -597,7 +604,7 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
 
     sched = get_schedule(schedule, cfg.train.window, cfg.diffusion.num_levels, steps)
     c = cfg.model.frames_per_chunk
-    ctx = context if context is not None else max(cfg.memory.length, c)
+    ctx = context if context is not None else max(min(cfg.memory.length, 16), c)
     real, actions, poses = load_validation_episodes(data or cfg.data.path, cfg, episodes, ctx, frames)
     configs = [("base", 0.0, [])]
     for f in fractions:
@@ -612,7 +619,8 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
                        actions[:, ctx:].to(dev), frames, generator=gen, progress=False).float().cpu()
         seconds = time.perf_counter() - t0
         ev = evaluate_rollout(fake, real, poses, ctx, window_reach=cfg.train.window)
-        row = {"selection": name, "fraction": f, "layers": " ".join(map(str, layers)) or "-",
+        row = {"selection": name, "fraction": f, "memory": cfg.memory.length,
+               "layers": " ".join(map(str, layers)) or "-",
                "frames_per_s": real.shape[0] * frames / seconds, "kv_bytes": hm.last_state.nbytes(),
                "psnr_mean": ev["psnr_mean"], "ssim_mean": ev["ssim_mean"],
                "max_psnr_decay": ev["max_psnr_decay"], "retrieval_mean": ev.get("retrieval_mean")}
@@ -701,6 +709,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--context", type=int, default=None)
     rep.add_argument("--steps", type=int, default=10)
     rep.add_argument("--schedule", default="chunked")
+    rep.add_argument("--memory", type=int, default=None, help="frames the full layers keep (default: the run's)")
     return p
 
 
@@ -718,7 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             paths = run_report(args.run, episodes=args.episodes, frames=args.frames, context=args.context,
                                steps=args.steps, schedule=args.schedule, data=args.data, overrides=args.overrides,
-                               device=args.device, out=args.out)
+                               device=args.device, out=args.out, memory=args.memory)
             for k, v in paths.items():
                 print(f"{k}: {v}")
     except (ValueError, FileNotFoundError) as err:  # user errors: run, data, settings

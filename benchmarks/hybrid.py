@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed AR steps per model (round-robin)")
     p.add_argument("--episodes", type=int, default=2, help="validation episodes for the PSNR comparison")
     p.add_argument("--psnr-frames", type=int, default=64, help="frames generated per episode for PSNR")
-    p.add_argument("--context", type=int, default=None, help="context frames for PSNR (default memory.length)")
+    p.add_argument("--context", type=int, default=None, help="context frames for PSNR (default: the run's "
+                                                              "memory.length)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="hybrid.KEY=VALUE")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
@@ -73,11 +74,12 @@ def main(argv=None) -> int:
         print(f"no {rpath}: calibrating first", file=sys.stderr)
         H.run_calibration(args.run, data=args.data, overrides=[o for o in args.overrides], device=args.device)
     offline = H.load_lazy_ratios(rpath) if rpath.is_file() else None
+    w = cfg.train.window
+    ctx = args.context if args.context is not None else max(cfg.memory.length, w)  # the run's own memory
     # the full layers (and the bank) remember the last --memory frames
     for m in (model.cfg.memory, cfg.memory):
         m.retention, m.length = "last", args.memory
     diffusion = PerFrameDiffusion(cfg.diffusion)
-    w = cfg.train.window
     sched = get_schedule("chunked", w, cfg.diffusion.num_levels, args.steps)
 
     base = H.HybridModel(model, dataclasses.replace(h, fraction=0.0, select="fixed", layers=[]), offline)
@@ -86,7 +88,6 @@ def main(argv=None) -> int:
           f"recent {h.recent}; memory {args.memory}; measured at frame {args.frame}")
 
     # -- 1. cost at frame F -------------------------------------------------------------------------
-    ctx = args.context if args.context is not None else max(model.cfg.memory.length, w)
     real, actions, _ = load_validation_episodes(args.data or cfg.data.path, cfg, args.episodes,
                                                 0, None)  # whole episodes
     reps = -(-(args.frame + w) // real.shape[1])
