@@ -606,11 +606,15 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
     c = cfg.model.frames_per_chunk
     ctx = context if context is not None else max(min(cfg.memory.length, 16), c)
     real, actions, poses = load_validation_episodes(data or cfg.data.path, cfg, episodes, ctx, frames)
-    configs = [("base", 0.0, [])]
-    for f in fractions:
-        if f > 0:
+    configs, counts = [("base", 0.0, [])], {0}
+    for f in fractions:  # a shallow model maps several fractions to one layer count: keep the first
+        if num_streaming(len(ratios["ratios"]), f) not in counts:
+            counts.add(num_streaming(len(ratios["ratios"]), f))
             configs += [(name, f, layers) for name, layers in selection_strategies(ratios["ratios"], f, seed).items()]
     rows, points = [], []
+    # one untimed warm-up rollout, so the first configuration's frames/s does not pay for first calls
+    rollout(model, diffusion, sched, real[:1, :ctx].to(dev), actions[:1, :ctx].to(dev), actions[:1, ctx:].to(dev),
+            min(frames, sched.delta), generator=torch.Generator().manual_seed(seed), progress=False)
     for name, f, layers in tqdm_list(configs, "hybrid report", progress):
         hm = HybridModel(model, dataclasses.replace(h, fraction=f, select="fixed", layers=layers), ratios)
         gen = torch.Generator().manual_seed(seed)

@@ -300,3 +300,75 @@ def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
     assert H.main(["calibrate", "--run", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert "error" in err and "Traceback" not in err
+
+
+# -- end to end on a tiny run: fine-tune wiring, calibrate, sample.py --hybrid, report -------------------
+TINY = ["model.image_size=16", "data.resize=0", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
+        "memory.length=8", "train.window=4", "train.batch_size=2", "train.max_steps=2", "train.ckpt_every=2",
+        "train.val_every=1000", "train.sample_every=0", "train.warmup_steps=1", "diffusion.num_levels=100",
+        "hybrid.sink=1", "hybrid.recent=2", "hybrid.last_frames=1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    import numpy as np
+
+    from arvdm.config import get_preset
+    from arvdm.training import Trainer
+
+    root = tmp_path_factory.mktemp("hybrid")
+    rng = np.random.default_rng(0)
+    for split, n in (("training", 2), ("validation", 2)):
+        (root / "data" / split).mkdir(parents=True)
+        for i in range(n):
+            np.savez(root / "data" / split / f"ep_{i:06d}.npz",
+                     video=rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8), actions=rng.integers(0, 6, 40))
+    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={root / 'data'}"]).validate()
+    Trainer(cfg, root / "run").fit()
+    return root
+
+
+def test_fine_tune_mode_trains_streaming_layers_and_saves_them(tiny_run):
+    from arvdm.checkpoint import latest_checkpoint, load_config
+    from arvdm.config import get_preset
+    from arvdm.training import Trainer
+
+    (tiny_run / "ft").mkdir()
+    (tiny_run / "ft" / H.RATIOS_NAME).write_text(json.dumps({"ratios": [0.3, 0.8]}))
+    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={tiny_run / 'data'}", "hybrid.fraction=0.5",
+                                                      "hybrid.select=offline"]).validate()
+    trainer = Trainer(cfg, tiny_run / "ft")
+    assert [b.temporal.streaming for b in trainer.model.blocks] == [None, (1, 2)]
+    trainer.fit()
+    saved = load_config(latest_checkpoint(tiny_run / "ft")).hybrid
+    assert (saved.select, saved.layers, saved.fraction) == ("fixed", [1], 0.5)
+
+
+def test_calibrate_sample_and_report_clis(tiny_run, tmp_path, capsys):
+    import sample
+
+    run = str(tiny_run / "run")
+    assert H.main(["calibrate", "--run", run, "--clips", "2", "--levels", "2"]) == 0
+    ratios = H.load_lazy_ratios(tiny_run / "run" / H.RATIOS_NAME)
+    assert len(ratios["ratios"]) == 2 and ratios["levels"] == [0, 100] and 0 < min(ratios["ratios"]) < 1
+    assert sample.main(["--run", run, "--frames", "8", "--context", "8", "--episodes", "1", "--steps", "2",
+                        "--hybrid", "0.5", "--eval", "--out", str(tmp_path / "s")]) == 0
+    assert "hybrid batch 0: streaming layers [" in capsys.readouterr().out
+    ev = json.loads((tmp_path / "s" / "eval.json").read_text())
+    assert ev["hybrid"]["fraction"] == 0.5 and len(ev["hybrid"]["selections"][0]["layers"]) == 1
+    assert sample.main(["--run", run, "--set", "hybrid.select=best", "--out", str(tmp_path / "x")]) == 2
+    assert "hybrid.select" in capsys.readouterr().err
+    assert H.main(["report", "--run", run, "--episodes", "1", "--frames", "8", "--steps", "2",
+                   "--out", str(tmp_path / "r")]) == 0
+    rows = json.loads((tmp_path / "r" / "hybrid_report.json").read_text())["rows"]
+    # 2 layers: fractions .25 and .5 both make 1 layer stream (kept once), .75 makes 2
+    assert [(r["selection"], r["fraction"]) for r in rows] == [("base", 0.0)] + [
+        (s, f) for f in (0.25, 0.75) for s in ("lazy", "random", "last")]
+    assert rows[-1]["kv_vs_base"] < rows[1]["kv_vs_base"] < 1
+    assert all((tmp_path / "r" / f).is_file() for f in ("lazy_ratios.png", "hybrid_report.md", "pareto_hybrid.png"))
+
+
+def test_selection_strategies():
+    s = H.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)
+    assert s["lazy"] == [1, 3] and s["last"] == [2, 3] and len(s["random"]) == 2
+    assert H.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)["random"] == s["random"]  # seeded
