@@ -573,10 +573,12 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
                frames: int = 48, context: int | None = None, steps: int = 10, schedule: str = "chunked",
                data: str | None = None, overrides: Sequence[str] = (), device: str = "auto",
                out: str | None = None, seed: int = 0, memory: int | None = None,
-               progress: bool = True) -> dict[str, Path]:
+               pareto_with: str | None = None, progress: bool = True) -> dict[str, Path]:
     """Heat map, table and plots of hybrid attention for a run (see the module docstring).
 
     ``memory`` (default: the run's) makes the full layers and the bank keep the last ``memory`` frames.
+    ``pareto_with``: an ``arvdm.experiments`` output folder (or its pareto.csv) whose points join the
+    hybrid points on one Pareto plot.
     """
     from data.episodes import atomic_write
 
@@ -646,10 +648,29 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
     atomic_write(out_dir / "hybrid_report.json", lambda tmp: Path(tmp).write_text(text))
     paths["json"] = out_dir / "hybrid_report.json"
     paths["pareto"] = out_dir / "pareto_hybrid.png"
+    if pareto_with:
+        points = _experiment_points(pareto_with) + points
     plot_pareto(points, paths["pareto"], csv_path=out_dir / "pareto_hybrid.csv",
                 title="hybrid attention: error accumulation vs memory bottleneck")
     paths["tradeoff"] = plot_tradeoff(rows, out_dir / "hybrid_tradeoff.png")
     return paths
+
+
+def _experiment_points(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Pareto points of an ``arvdm.experiments`` report (its pareto.csv)."""
+    import csv
+
+    path = Path(path)
+    path = path / "pareto.csv" if path.is_dir() else path
+    if not path.is_file():
+        raise HybridError(f"{path}: no pareto.csv (write one with `python -m arvdm.experiments report`)")
+
+    def num(v):
+        return float(v) if v not in ("", None) else None
+
+    with open(path, newline="") as f:
+        return [{"name": r["name"], "x": num(r["max_psnr_decay"]), "y": num(r["mean_retrieval_rate"])}
+                for r in csv.DictReader(f)]
 
 
 def tqdm_list(items, desc, progress):
@@ -714,6 +735,8 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--steps", type=int, default=10)
     rep.add_argument("--schedule", default="chunked")
     rep.add_argument("--memory", type=int, default=None, help="frames the full layers keep (default: the run's)")
+    rep.add_argument("--pareto-with", default=None, metavar="EXPERIMENTS_OUT",
+                     help="an arvdm.experiments output folder: its points join the hybrid Pareto plot")
     return p
 
 
@@ -731,7 +754,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             paths = run_report(args.run, episodes=args.episodes, frames=args.frames, context=args.context,
                                steps=args.steps, schedule=args.schedule, data=args.data, overrides=args.overrides,
-                               device=args.device, out=args.out, memory=args.memory)
+                               device=args.device, out=args.out, memory=args.memory,
+                               pareto_with=args.pareto_with)
             for k, v in paths.items():
                 print(f"{k}: {v}")
     except (ValueError, FileNotFoundError) as err:  # user errors: run, data, settings

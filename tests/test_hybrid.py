@@ -358,8 +358,12 @@ def test_calibrate_sample_and_report_clis(tiny_run, tmp_path, capsys):
     assert ev["hybrid"]["fraction"] == 0.5 and len(ev["hybrid"]["selections"][0]["layers"]) == 1
     assert sample.main(["--run", run, "--set", "hybrid.select=best", "--out", str(tmp_path / "x")]) == 2
     assert "hybrid.select" in capsys.readouterr().err
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / "pareto.csv").write_text("name,max_psnr_decay,mean_retrieval_rate,on_frontier\n"
+                                                  "prepend-m8,1.5,0.25,1\n")
     assert H.main(["report", "--run", run, "--episodes", "1", "--frames", "8", "--steps", "2",
-                   "--out", str(tmp_path / "r")]) == 0
+                   "--out", str(tmp_path / "r"), "--pareto-with", str(tmp_path / "grid")]) == 0
+    assert "prepend-m8" in (tmp_path / "r" / "pareto_hybrid.csv").read_text()
     rows = json.loads((tmp_path / "r" / "hybrid_report.json").read_text())["rows"]
     # 2 layers: fractions .25 and .5 both make 1 layer stream (kept once), .75 makes 2
     assert [(r["selection"], r["fraction"]) for r in rows] == [("base", 0.0)] + [
