@@ -4,6 +4,8 @@
     python sample.py --run runs/tiny --schedule fifo --frames 120 --eval
     python sample.py --run runs/tiny --schedule my_schedule.json       # any valid Meta-ARVDM matrix
     python sample.py --run runs/tiny --no-cache                        # recompute memory every call (DF)
+    python sample.py --run runs/tiny --hybrid 0.5 --eval               # half the temporal layers stream
+    python sample.py --run runs/tiny --set hybrid.fraction=0.5 --set hybrid.select=offline --set hybrid.sink=1
 
 Writes rollout.mp4, rollout.npz (`real`, `fake`), metrics.csv and, with --eval, eval.json into --out
 (default RUN/samples/<schedule>). The logic lives in arvdm.sampling.
@@ -41,20 +43,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     p.add_argument("--eval", action="store_true", help="also write eval.json (spans, decay, retrieval)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--hybrid", type=float, default=None, metavar="F",
+                   help="hybrid attention: the fraction F of temporal layers (the laziest) that stream")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="hybrid.KEY=VALUE",
+                   help="hybrid-attention setting (fraction, select, layers, sink, recent, last_frames, ratios)")
     args = p.parse_args(argv)
+    hybrid = {}
+    for item in args.overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip().startswith("hybrid."):
+            print(f"sample.py: error: --set {item!r}: expected hybrid.KEY=VALUE (sampling changes only hybrid.*)",
+                  file=sys.stderr)
+            return 2
+        try:
+            hybrid[key.strip()[len("hybrid."):]] = json.loads(raw)
+        except json.JSONDecodeError:
+            hybrid[key.strip()[len("hybrid."):]] = raw
+    if args.hybrid is not None:
+        hybrid["fraction"] = args.hybrid
 
     from arvdm.sampling import SampleSettings, sample_run
 
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,
                               use_cache=not args.no_cache, evaluate=args.eval, data=args.data, split=args.split,
-                              use_ema=not args.no_ema, device=args.device)
+                              use_ema=not args.no_ema, device=args.device, hybrid=hybrid or None)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         result = sample_run(args.run, out, settings)
     except (ValueError, FileNotFoundError) as err:  # user errors: config, schedule, data, checkpoint
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2
+    if "hybrid" in result["summary"]:
+        from arvdm.hybrid import describe
+
+        print(describe(result["summary"]["hybrid"]))
     print(json.dumps(result, indent=2))
     if "verdict" in result["summary"]:  # the model against copy-last and context-mean, in words
         print(f"sample.py: {result['summary']['verdict']}", file=sys.stderr)

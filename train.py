@@ -13,6 +13,8 @@ Resume a killed run exactly (the newest complete checkpoint in --out):
     python train.py --out runs/tiny --resume
 Overrides (any Config key, repeatable):
     python train.py --set memory.length=16 --set memory.structure=cross_attention --max-steps 500
+Hybrid-attention fine-tune (the lazy layers of RUN/lazy_ratios.json train with streaming masks):
+    python train.py --out RUN --resume --max-steps 600 --set hybrid.fraction=0.5 --set hybrid.select=offline
 
 Writes to --out: checkpoints/step_NNNNNNN/ (last two kept), log.csv, samples/step_NNNNNNN.mp4.
 Then: python sample.py --run runs/tiny
@@ -75,9 +77,10 @@ def build_config(args: argparse.Namespace):
 def main(argv=None) -> int:
     args = parse_args(argv)
     # Imported after parsing so that --help is instant.
+    from arvdm.hybrid import HybridError
     from arvdm.training import TrainingError, train
 
-    user_errors: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, TrainingError)
+    user_errors: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, TrainingError, HybridError)
     try:  # the data package's own: corrupt/mis-shaped episode, bad split folder, generator problems
         from data.dataset import DatasetError
         from data.envs import EnvUnavailable

@@ -168,6 +168,42 @@ class TrainConfig:
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
 
 
+HYBRID_SELECT = ("online", "offline", "fixed")
+
+
+@dataclass
+class HybridConfig:
+    """Hybrid attention (LightTransfer, arXiv 2410.13846): some temporal layers stream (sink + recent).
+
+    The `fraction` of temporal-attention layers with the highest lazy ratios become streaming layers that
+    keep `sink` first frames + `recent` last frames; the others keep the full memory. See arvdm.hybrid.
+    """
+
+    fraction: float = 0.0  # share of temporal layers made streaming; 0 = the base model
+    select: str = "online"  # online (during the context commit) | offline (lazy_ratios.json) | fixed (`layers`)
+    layers: list = field(default_factory=list)  # select=fixed: the layer indices that stream
+    sink: int = 2  # s: first frames a streaming layer keeps
+    recent: int = 4  # r: most recent frames a streaming layer keeps
+    last_frames: int = 2  # the lazy ratio averages the kept mass of the queries of the last frames
+    ratios: str = ""  # select=offline: a lazy_ratios.json; "" = the run folder's own
+
+    @property
+    def active(self) -> bool:
+        """True when some layer may become streaming."""
+        return self.fraction > 0 or (self.select == "fixed" and len(self.layers) > 0)
+
+    def validate(self) -> None:
+        _check(0.0 <= self.fraction <= 1.0, "hybrid.fraction", self.fraction, "must be in [0, 1]")
+        _check(self.select in HYBRID_SELECT, "hybrid.select", self.select, f"must be one of {HYBRID_SELECT}")
+        _check(isinstance(self.layers, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                      for i in self.layers)
+               and len(set(self.layers)) == len(self.layers), "hybrid.layers", self.layers,
+               "must be a list of distinct layer indices >= 0, e.g. [0, 2]")
+        _check(self.sink >= 0, "hybrid.sink", self.sink, "must be >= 0")
+        _check(self.recent >= 1, "hybrid.recent", self.recent, "must be >= 1")
+        _check(self.last_frames >= 1, "hybrid.last_frames", self.last_frames, "must be >= 1")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -175,10 +211,11 @@ class Config:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
     preset: str = "tiny"
 
     def validate(self) -> "Config":
-        for part in (self.model, self.memory, self.diffusion, self.data, self.train):
+        for part in (self.model, self.memory, self.diffusion, self.data, self.train, self.hybrid):
             part.validate()
         _check(self.train.window % self.model.frames_per_chunk == 0, "train.window", self.train.window,
                f"must be a multiple of model.frames_per_chunk={self.model.frames_per_chunk}")

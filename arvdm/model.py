@@ -141,6 +141,9 @@ class TemporalAttention(nn.Module):
         super().__init__()
         self.heads, self.form, self.frames_per_chunk = heads, form, frames_per_chunk
         self.streaming: tuple[int, int] | None = None
+        # optional probe(q, k, lse, streaming=, tokens_per_frame=, frames_per_chunk=, q_frame_offset=) called
+        # after each kernel call with that call's lse (arvdm.hybrid measures lazy ratios through it)
+        self.attention_probe = None
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
@@ -171,15 +174,23 @@ class TemporalAttention(nn.Module):
         kw = dict(tokens_per_frame=tpf)
         if self.streaming is not None:
             kw.update(sink_frames=self.streaming[0], recent_frames=self.streaming[1])
+
+        def attend(qq, kk, vv, **rule):
+            if self.attention_probe is None:
+                return kernels.chunked_attention(qq, kk, vv, **rule, **kw)
+            o, lse = kernels.chunked_attention(qq, kk, vv, return_lse=True, **rule, **kw)
+            self.attention_probe(qq, kk, lse, streaming=self.streaming, tokens_per_frame=tpf, **rule)
+            return o
+
         outs = []
         split = n_prefix * tpf
         if n_prefix > 0:  # prefix frames: the past + the prefix, never the window
             end = (n_past + n_prefix) * tpf
-            outs.append(kernels.chunked_attention(q[:, :, :split], keys[:, :, :end], vals[:, :, :end],
-                                                  frames_per_chunk=prefix_chunk, q_frame_offset=n_past, **kw))
+            outs.append(attend(q[:, :, :split], keys[:, :, :end], vals[:, :, :end],
+                               frames_per_chunk=prefix_chunk, q_frame_offset=n_past))
         if n_prefix < t:  # window frames: everything earlier + their own chunk
-            outs.append(kernels.chunked_attention(q[:, :, split:], keys, vals, frames_per_chunk=self.frames_per_chunk,
-                                                  q_frame_offset=n_past + n_prefix, **kw))
+            outs.append(attend(q[:, :, split:], keys, vals, frames_per_chunk=self.frames_per_chunk,
+                               q_frame_offset=n_past + n_prefix))
         o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B',H,T*tpf,hd)
         return self.proj(self._from_seq(o, b, t, n)), (k, v)
 

@@ -32,6 +32,7 @@ from .baselines import BASELINES, baseline_frames, compare_with_baselines
 from .checkpoint import load_for_inference
 from .diffusion import PerFrameDiffusion
 from .evaluate import evaluate_rollout, write_eval_json
+from .hybrid import HybridModel, wrap_for_sampling
 from .metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, write_metrics_csv
 from .pipeline import rollout
 from .schedules import get_schedule
@@ -59,6 +60,7 @@ class SampleSettings:
     use_ema: bool = True
     device: str = "auto"
     progress: bool = True
+    hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
 
 
 def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings: SampleSettings) -> dict[str, Any]:
@@ -66,6 +68,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if settings.device == "auto" else settings.device))
     model, cfg = load_for_inference(run_dir, use_ema=settings.use_ema, device=device)
+    model, _ = wrap_for_sampling(model, cfg, run_dir, settings.hybrid)  # lazy layers stream when asked
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps)
     model.check_schedule(schedule.delta, schedule.window)
@@ -114,11 +117,13 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         cmp = compare_with_baselines(gen, real, context)
         summary.update(first_frames=cmp["first_frames"], gradient_ratio_first16=cmp["gradient_ratio_first16"],
                        verdict=cmp["verdict"]["message"])
+    if isinstance(model, HybridModel):
+        summary["hybrid"] = model.summary()
     if settings.evaluate:
         result = evaluate_rollout(fake, real, poses, context, window_reach=cfg.train.window)
         paths["eval"] = write_eval_json(out / "eval.json", result, extra={
             "run": str(run_dir), "settings": asdict(settings), "schedule": schedule.to_dict(),
-            "config": cfg.to_dict()})
+            "config": cfg.to_dict(), **({"hybrid": summary["hybrid"]} if "hybrid" in summary else {})})
         summary["max_psnr_decay"] = result["max_psnr_decay"]
     return {"paths": {k: str(v) for k, v in paths.items()}, "summary": summary}
 

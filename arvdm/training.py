@@ -309,6 +309,10 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True  # tf32 matmuls where bf16 autocast does not reach
             torch.backends.cudnn.allow_tf32 = True
         self.model = Denoiser(cfg).to(self.device)
+        if cfg.hybrid.active:  # fine-tune mode: the chosen layers train with streaming masks (arvdm.hybrid)
+            from arvdm.hybrid import apply_for_training
+
+            apply_for_training(self.model, cfg, self.run_dir)  # records them in cfg.hybrid (saved with the run)
         self.diffusion = PerFrameDiffusion(cfg.diffusion)  # noise tables; moves them to the data's device
         self.ema = EMA(self.model, tc.ema_decay)
 

@@ -1,0 +1,378 @@
+"""Hybrid attention (arvdm.hybrid, kernels.kept_attention_mass): kept mass, lazy ratios, selection, conversion."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+import kernels
+from arvdm import hybrid as H
+from arvdm.config import Config, ConfigError, DiffusionConfig, HybridConfig, apply_overrides
+from arvdm.diffusion import PerFrameDiffusion
+from arvdm.pipeline import rollout
+from arvdm.schedules import chunked
+from memory import MemoryFrames
+
+K = 100
+DIFF = PerFrameDiffusion(DiffusionConfig(num_levels=K))
+BACKENDS = ["reference", "triton"]
+
+
+def _backend(name):
+    if name == "triton":
+        ta = pytest.importorskip("kernels.triton_attention")
+        if not ta.HAS_TRITON or not (ta.INTERPRETED or torch.cuda.is_available()):
+            pytest.skip("no triton interpreter / GPU")
+    return name
+
+
+# -- kept attention mass ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kept_mass_hand_example(backend):
+    """Issue 12's example: head 1 weights 4,1,1,1,1,2 (sink 0 + recent 3,4,5 keep 8 of 10); head 2 uniform
+    (4 of 6 keys kept)."""
+    q = torch.ones(1, 2, 1, 1)  # (B, H, Lq, D)
+    k = torch.zeros(1, 2, 6, 1)
+    k[0, 0, :, 0] = torch.log(torch.tensor([4.0, 1, 1, 1, 1, 2]))
+    kept = kernels.kept_attention_mass(q, k, q_frame_offset=5, sink_frames=1, recent_frames=2, scale=1.0,
+                                       backend=_backend(backend))
+    assert kept.dtype == torch.float32 and kept.shape == (1, 2, 1)
+    torch.testing.assert_close(kept, torch.tensor([[[0.8], [4 / 6]]]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kept_mass_is_one_when_every_visible_key_is_kept(backend):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 8, 4, generator=g), torch.randn(2, 2, 20, 4, generator=g)  # 4 q frames, 10 k frames
+    # window at key frames 6..9 in chunks of 2 (starting at 6 and 8): sink 3 + recent 5 keeps every key
+    kept = kernels.kept_attention_mass(q, k, tokens_per_frame=2, frames_per_chunk=2, q_frame_offset=6,
+                                       sink_frames=3, recent_frames=5, backend=_backend(backend))
+    torch.testing.assert_close(kept, torch.ones(2, 2, 8), atol=1e-6, rtol=0)
+    # one fewer recent frame drops key frame 3 for the second chunk only: 1 for the first, < 1 for the second
+    kept = kernels.kept_attention_mass(q, k, tokens_per_frame=2, frames_per_chunk=2, q_frame_offset=6,
+                                       sink_frames=3, recent_frames=4, backend=_backend(backend))
+    torch.testing.assert_close(kept[:, :, :4], torch.ones(2, 2, 4), atol=1e-6, rtol=0)
+    assert (kept[:, :, 4:] < 1 - 1e-4).all()
+
+
+def _oracle(q, k, scale, **rule):
+    """float64 dense softmax under the full rule, summed over the keys the streaming rule keeps."""
+    full = kernels.chunked_attention_mask(q.shape[2], k.shape[2], **dict(rule, sink_frames=0, recent_frames=None))
+    kept = kernels.chunked_attention_mask(q.shape[2], k.shape[2], **rule)
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    p = torch.softmax(s.masked_fill(~full, -math.inf), dim=-1)
+    return (p * kept).sum(-1)  # (B, H, Lq)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tpf, chunk, off, nq, nk, sink, recent", [
+    (1, 1, 12, 6, 18, 2, 3), (3, 2, 5, 4, 11, 1, 2), (2, 3, 9, 6, 15, 0, 4)])
+def test_kept_mass_matches_float64_oracle(backend, tpf, chunk, off, nq, nk, sink, recent):
+    g = torch.Generator().manual_seed(tpf * 100 + nk)
+    q = torch.randn(2, 3, nq * tpf, 8, generator=g) * 2
+    k = torch.randn(2, 3, nk * tpf, 8, generator=g) * 2
+    rule = dict(tokens_per_frame=tpf, frames_per_chunk=chunk, q_frame_offset=off, sink_frames=sink,
+                recent_frames=recent)
+    kept = kernels.kept_attention_mass(q, k, scale=0.3, backend=_backend(backend), **rule)
+    want = _oracle(q, k, 0.3, **rule)
+    assert want.min() < 0.9  # not vacuous: the streaming rule drops real mass
+    torch.testing.assert_close(kept.double(), want, atol=2e-5, rtol=0)
+    # the online path (reusing the attention's own full lse) gives the same numbers
+    _, lse = kernels.chunked_attention(q, k, k, scale=0.3, return_lse=True, backend=backend,
+                                       **dict(rule, sink_frames=0, recent_frames=None))
+    again = kernels.kept_attention_mass(q, k, scale=0.3, backend=backend, lse_full=lse, **rule)
+    torch.testing.assert_close(again, kept, atol=1e-6, rtol=0)
+
+
+def test_kept_mass_bad_input_errors():
+    q, k = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="recent_frames"):
+        kernels.kept_attention_mass(q, k, q_frame_offset=2, recent_frames=None)
+    with pytest.raises(ValueError, match="runs past"):
+        kernels.kept_attention_mass(q, k, q_frame_offset=3, recent_frames=1)
+    with pytest.raises(ValueError, match="lse_full"):
+        kernels.kept_attention_mass(q, k, q_frame_offset=2, recent_frames=1, lse_full=torch.zeros(1, 1, 3))
+
+
+# -- selection -------------------------------------------------------------------------------------------
+def test_selection_equals_sorting_with_ties_by_index():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        ratios = [rng.choice([0.5, 0.7, 0.9, 0.99]) for _ in range(n)]  # many ties
+        f = rng.choice([0.0, 0.25, 0.5, 0.75, 1.0])
+        k = H.num_streaming(n, f)
+        want = sorted(sorted(range(n), key=lambda i: (-ratios[i], i))[:k])
+        assert H.select_layers(ratios, f) == want
+    assert H.select_layers([0.9, 0.9, 0.9, 0.9], 0.5) == [0, 1]  # ties: the lower layer index wins
+    assert H.select_layers([0.1, float("nan"), 0.2], 1 / 3) == [2]  # never-measured layers rank last
+    assert [H.num_streaming(4, f) for f in (0, 0.25, 0.5, 0.75, 1)] == [0, 1, 2, 3, 4]
+
+
+# -- the model -------------------------------------------------------------------------------------------
+def tiny_model(depth=4, retention="all", length=0):
+    from arvdm.model import Denoiser
+
+    cfg = Config()
+    m = cfg.model
+    m.image_size, m.patch_size, m.dim, m.depth, m.heads, m.num_actions = 16, 4, 32, depth, 2, 6
+    cfg.memory.retention, cfg.memory.length = retention, length
+    cfg.diffusion.num_levels = K
+    torch.manual_seed(0)
+    model = Denoiser(cfg).eval()
+    with torch.no_grad():  # lift the zero-inits so every layer's attention matters
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def clip(t, seed=0, b=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(b, t, 3, 16, 16, generator=g) * 2 - 1, torch.randint(0, 6, (b, t), generator=g)
+
+
+def test_temporal_layers_are_the_blocks_and_generic_fallback():
+    model = tiny_model(depth=3)
+    assert H.temporal_layers(model) == [b.temporal for b in model.blocks]
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.streaming, self.attention_probe = None, None
+
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2), Layer(), Layer())
+    assert H.temporal_layers(other) == [other[1], other[2]]
+    with pytest.raises(H.HybridError, match="no temporal-attention layer"):
+        H.temporal_layers(torch.nn.Linear(2, 2))
+
+
+def test_online_ratio_equals_offline_on_same_inputs():
+    """Committing m + w clean frames (online, during the commit) and the offline calibration at level 0
+    (m memory frames + a clean window) give each layer the same queries and keys: the same ratios."""
+    model = tiny_model()
+    h = HybridConfig(sink=1, recent=2, last_frames=2)
+    frames, actions = clip(10)
+    state = model.init_state(1)
+    with H.measuring(H.temporal_layers(model), sink=1, recent=2, last_frames=2) as meters:
+        model.commit(state, frames, actions)
+    online = [m.ratio for m in meters]
+    offline = H.calibrate(model, DIFF, frames, actions, memory=6, levels=[0], hybrid=h, progress=False)
+    assert len(set(round(r, 4) for r in online)) > 1 and max(online) < 1  # layers differ, mass is dropped
+    torch.testing.assert_close(torch.tensor(offline["ratios"]), torch.tensor(online), atol=1e-5, rtol=0)
+    # noisier windows are measured too, one column per level
+    noisy = H.calibrate(model, DIFF, frames, actions, memory=6, levels=[0, 50, 100], hybrid=h, progress=False)
+    assert len(noisy["layers"][0]["by_level"]) == 3 and noisy["layers"][0]["by_level"][0] == pytest.approx(
+        online[0], abs=1e-5)
+    with pytest.raises(H.HybridError, match="every ratio would be 1"):
+        H.calibrate(model, DIFF, frames[:, :4], actions[:, :4], memory=2, levels=[0],
+                    hybrid=HybridConfig(sink=1, recent=2, last_frames=2), progress=False)
+
+
+def _go(model, n=8, n_ctx=8, seed=1):
+    ctx, ctx_act = clip(n_ctx, seed=0)
+    act = torch.randint(0, 6, (1, n), generator=torch.Generator().manual_seed(5))
+    return rollout(model, DIFF, chunked(4, K, 2), ctx, ctx_act, act, n, eta=0.5,
+                   generator=torch.Generator().manual_seed(seed), progress=False)
+
+
+def test_fraction_zero_reproduces_the_base_rollout_bit_for_bit():
+    model = tiny_model()
+    base = _go(model)
+    hm = H.HybridModel(model, HybridConfig(fraction=0.0, select="online", sink=1, recent=2))
+    assert torch.equal(_go(hm), base)
+    assert hm.selections == [{"layers": [], "ratios": hm.selections[0]["ratios"], "source": "online"}]
+    # a real fraction does change the rollout (the comparison is not vacuous)
+    hm = H.HybridModel(model, HybridConfig(fraction=0.5, select="online", sink=1, recent=2))
+    assert (_go(hm) - base).abs().max() > 1e-3
+    assert len(hm.selections[0]["layers"]) == 2 and hm.streaming_layers == hm.selections[0]["layers"]
+    ratios = hm.selections[0]["ratios"]
+    assert hm.selections[0]["layers"] == H.select_layers(ratios, 0.5)
+
+
+def test_conversion_leaves_full_layers_alone_and_cutting_streaming_caches_is_lossless():
+    model = tiny_model()
+    layers = H.temporal_layers(model)
+    frames, actions = clip(12)
+    state = model.init_state(1)
+    model.commit(state, frames, actions)
+    before = [c.keys_values() for c in state.caches]
+    before = [(k.clone(), v.clone()) for k, v in before]
+    x = torch.randn(1, 3, 16, 32)  # (B, T, N, D) a window's tokens
+    cos, sin = model.rope(torch.arange(12, 15))
+    outs_full = [layer(x, cos, sin, past=kv)[0] for layer, kv in zip(layers, before)]
+    for layer in layers:  # the streaming mask alone, on the full (uncut) cache
+        layer.streaming = (2, 3)
+    outs_mask = [layer(x, cos, sin, past=kv)[0] for layer, kv in zip(layers, before)]
+
+    H.convert(layers, [1, 3], sink=2, recent=3, caches=state.caches, n_committed=state.n_committed)
+    assert [layer.streaming for layer in layers] == [None, (2, 3), None, (2, 3)]
+    for i in (0, 2):  # full layers: the same cache and the same output on the same inputs
+        assert state.caches[i].frame_ids == list(range(12))
+        assert torch.equal(state.caches[i].keys_values()[0], before[i][0])
+        assert torch.equal(layers[i](x, cos, sin, past=state.caches[i].keys_values())[0], outs_full[i])
+    for i in (1, 3):  # streaming layers: cut at once to sink + recent, same output as the mask on the full cache
+        assert state.caches[i].frame_ids == [0, 1, 9, 10, 11]
+        out = layers[i](x, cos, sin, past=state.caches[i].keys_values())[0]
+        torch.testing.assert_close(out, outs_mask[i], atol=1e-5, rtol=0)
+        assert (out - outs_full[i]).abs().max() > 1e-3
+
+
+def test_streaming_caches_stay_bounded_through_a_300_frame_rollout():
+    model = tiny_model(depth=2)
+    hm = H.HybridModel(model, HybridConfig(fraction=0.5, select="fixed", layers=[1], sink=2, recent=3))
+    sizes = []
+    commit = hm.commit
+
+    def spy(state, frames, actions, poses=None):
+        commit(state, frames, actions, poses)
+        sizes.append([c.num_frames for c in state.caches])
+
+    hm.commit = spy
+    _go(hm, n=300, n_ctx=4)
+    assert max(s[1] for s in sizes) == 5  # sink 2 + recent 3, from the context on
+    assert sizes[-1][0] == 4 + 296  # the full layer remembers everything (retention all)
+    assert hm.last_state.caches[1].frame_ids == [0, 1, 297, 298, 299]
+
+
+def test_online_falls_back_to_offline_for_a_short_context(tmp_path):
+    model = tiny_model()
+    h = HybridConfig(fraction=0.25, select="online", sink=2, recent=4)
+    with pytest.raises(H.HybridError, match="no offline lazy ratios"):
+        _go(H.HybridModel(model, h), n_ctx=4)
+    hm = H.HybridModel(model, h, offline={"ratios": [0.1, 0.2, 0.9, 0.3]})
+    _go(hm, n_ctx=4)
+    assert hm.selections[0]["layers"] == [2] and hm.selections[0]["source"].startswith("offline")
+
+
+# -- config, training and sampling wiring -----------------------------------------------------------------
+def test_hybrid_config_keys_and_errors():
+    cfg = apply_overrides(Config(), ["hybrid.fraction=0.5", "hybrid.select=fixed", "hybrid.layers=[0,2]",
+                                     "hybrid.sink=1", "hybrid.recent=3", "hybrid.last_frames=1"])
+    cfg.validate()
+    assert cfg.hybrid.layers == [0, 2] and cfg.hybrid.active
+    assert Config.from_dict(json.loads(cfg.to_json())).hybrid == cfg.hybrid
+    for bad, what in (("hybrid.fraction=1.5", "hybrid.fraction"), ("hybrid.select=best", "hybrid.select"),
+                      ("hybrid.layers=[1,1]", "hybrid.layers"), ("hybrid.recent=0", "hybrid.recent")):
+        with pytest.raises(ConfigError, match=what):
+            apply_overrides(Config(), [bad]).validate()
+
+
+def test_training_wiring_streams_the_chosen_layers_and_records_them(tmp_path):
+    model = tiny_model()
+    (tmp_path / H.RATIOS_NAME).write_text(json.dumps({"ratios": [0.5, 0.95, 0.4, 0.9]}))
+    cfg = apply_overrides(Config(), ["hybrid.fraction=0.5", "hybrid.select=offline"])
+    assert H.apply_for_training(model, cfg, tmp_path) == [1, 3]
+    assert [b.temporal.streaming for b in model.blocks] == [None, (2, 4), None, (2, 4)]
+    assert (cfg.hybrid.select, cfg.hybrid.layers) == ("fixed", [1, 3])
+    assert model.cfg.hybrid.layers == [1, 3]
+    # training forward with explicit memory goes through the streaming masks (and still backpropagates)
+    model.train()
+    frames, actions = clip(12)
+    v = model(frames[:, 8:], torch.full((1, 4), 50), actions[:, 8:], memory=MemoryFrames(frames[:, :8], actions[:, :8]))
+    v.square().mean().backward()
+    with pytest.raises(H.HybridError, match="select=online"):
+        H.apply_for_training(tiny_model(), apply_overrides(Config(), ["hybrid.fraction=0.5"]), tmp_path)
+    with pytest.raises(H.HybridError, match="calibrate"):
+        H.apply_for_training(tiny_model(), apply_overrides(Config(), ["hybrid.fraction=0.5", "hybrid.select=offline"]),
+                             tmp_path / "elsewhere")
+
+
+def test_sampling_wiring_and_refusals(tmp_path):
+    model = tiny_model(retention="last", length=8)
+    same, h = H.wrap_for_sampling(model, model.cfg, tmp_path, None)
+    assert same is model and not h.active
+    hm, h = H.wrap_for_sampling(model, model.cfg, tmp_path, {"fraction": 0.5, "sink": 1, "recent": 3})
+    assert isinstance(hm, H.HybridModel) and h.select == "online"
+    _go(hm)
+    text = H.describe(hm.summary())
+    assert "streaming layers" in text and str(hm.selections[0]["layers"]) in text
+    with pytest.raises(H.HybridError, match="save nothing"):
+        H.wrap_for_sampling(model, model.cfg, tmp_path, {"fraction": 0.5, "sink": 4, "recent": 4})
+    with pytest.raises(H.HybridError, match="out of range"):
+        H.wrap_for_sampling(model, model.cfg, tmp_path, {"select": "fixed", "layers": [7]})
+    with pytest.raises(H.HybridError, match="unknown hybrid key"):
+        H.wrap_for_sampling(model, model.cfg, tmp_path, {"fractoin": 0.5})
+
+
+def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
+    assert H.main(["calibrate", "--run", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and "Traceback" not in err
+
+
+# -- end to end on a tiny run: fine-tune wiring, calibrate, sample.py --hybrid, report -------------------
+TINY = ["model.image_size=16", "data.resize=0", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
+        "memory.length=8", "train.window=4", "train.batch_size=2", "train.max_steps=2", "train.ckpt_every=2",
+        "train.val_every=1000", "train.sample_every=0", "train.warmup_steps=1", "diffusion.num_levels=100",
+        "hybrid.sink=1", "hybrid.recent=2", "hybrid.last_frames=1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    import numpy as np
+
+    from arvdm.config import get_preset
+    from arvdm.training import Trainer
+
+    root = tmp_path_factory.mktemp("hybrid")
+    rng = np.random.default_rng(0)
+    for split, n in (("training", 2), ("validation", 2)):
+        (root / "data" / split).mkdir(parents=True)
+        for i in range(n):
+            np.savez(root / "data" / split / f"ep_{i:06d}.npz",
+                     video=rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8), actions=rng.integers(0, 6, 40))
+    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={root / 'data'}"]).validate()
+    Trainer(cfg, root / "run").fit()
+    return root
+
+
+def test_fine_tune_mode_trains_streaming_layers_and_saves_them(tiny_run):
+    from arvdm.checkpoint import latest_checkpoint, load_config
+    from arvdm.config import get_preset
+    from arvdm.training import Trainer
+
+    (tiny_run / "ft").mkdir()
+    (tiny_run / "ft" / H.RATIOS_NAME).write_text(json.dumps({"ratios": [0.3, 0.8]}))
+    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={tiny_run / 'data'}", "hybrid.fraction=0.5",
+                                                      "hybrid.select=offline"]).validate()
+    trainer = Trainer(cfg, tiny_run / "ft")
+    assert [b.temporal.streaming for b in trainer.model.blocks] == [None, (1, 2)]
+    trainer.fit()
+    saved = load_config(latest_checkpoint(tiny_run / "ft")).hybrid
+    assert (saved.select, saved.layers, saved.fraction) == ("fixed", [1], 0.5)
+
+
+def test_calibrate_sample_and_report_clis(tiny_run, tmp_path, capsys):
+    import sample
+
+    run = str(tiny_run / "run")
+    assert H.main(["calibrate", "--run", run, "--clips", "2", "--levels", "2"]) == 0
+    ratios = H.load_lazy_ratios(tiny_run / "run" / H.RATIOS_NAME)
+    assert len(ratios["ratios"]) == 2 and ratios["levels"] == [0, 100] and 0 < min(ratios["ratios"]) < 1
+    assert sample.main(["--run", run, "--frames", "8", "--context", "8", "--episodes", "1", "--steps", "2",
+                        "--hybrid", "0.5", "--eval", "--out", str(tmp_path / "s")]) == 0
+    assert "hybrid batch 0: streaming layers [" in capsys.readouterr().out
+    ev = json.loads((tmp_path / "s" / "eval.json").read_text())
+    assert ev["hybrid"]["fraction"] == 0.5 and len(ev["hybrid"]["selections"][0]["layers"]) == 1
+    assert sample.main(["--run", run, "--set", "hybrid.select=best", "--out", str(tmp_path / "x")]) == 2
+    assert "hybrid.select" in capsys.readouterr().err
+    (tmp_path / "grid").mkdir()
+    (tmp_path / "grid" / "pareto.csv").write_text("name,max_psnr_decay,mean_retrieval_rate,on_frontier\n"
+                                                  "prepend-m8,1.5,0.25,1\n")
+    assert H.main(["report", "--run", run, "--episodes", "1", "--frames", "8", "--steps", "2",
+                   "--out", str(tmp_path / "r"), "--pareto-with", str(tmp_path / "grid")]) == 0
+    assert "prepend-m8" in (tmp_path / "r" / "pareto_hybrid.csv").read_text()
+    rows = json.loads((tmp_path / "r" / "hybrid_report.json").read_text())["rows"]
+    # 2 layers: fractions .25 and .5 both make 1 layer stream (kept once), .75 makes 2
+    assert [(r["selection"], r["fraction"]) for r in rows] == [("base", 0.0)] + [
+        (s, f) for f in (0.25, 0.75) for s in ("lazy", "random", "last")]
+    assert rows[-1]["kv_vs_base"] < rows[1]["kv_vs_base"] < 1
+    assert all((tmp_path / "r" / f).is_file() for f in ("lazy_ratios.png", "hybrid_report.md", "pareto_hybrid.png"))
+
+
+def test_selection_strategies():
+    s = H.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)
+    assert s["lazy"] == [1, 3] and s["last"] == [2, 3] and len(s["random"]) == 2
+    assert H.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)["random"] == s["random"]  # seeded
