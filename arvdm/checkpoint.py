@@ -293,7 +293,7 @@ def resolve_data_path(cfg: Config, run_dir: str | os.PathLike | None = None, giv
     for p in tried:
         if p.is_dir():
             return p
-    listing = "\n  ".join(str(p) for p in tried)
+    listing = "\n  ".join(os.path.abspath(p) for p in tried)
     where = f" of run {run_folder(run_dir)}" if run_dir is not None else ""
     raise CheckpointError(f"the data{where} was not found: data.path={cfg.data.path!r}; tried:\n  {listing}\n"
                           f"pass {flag} DIR to point at the data (a folder with training/ and validation/)")
