@@ -160,7 +160,7 @@ def test_ddp_every_structure_and_compressor_keeps_ranks_identical(tmp_path):
         assert sorted(p.name for p in (tmp_path / f"out/run{i}/checkpoints").iterdir()) == ["step_0000002"]
 
 
-@pytest.mark.slow  # two processes; the frozen case waits out a 10 s process-group timeout
+@pytest.mark.slow  # two processes; the frozen case waits out a 5 s process-group timeout
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_a_dead_or_frozen_rank_makes_the_other_exit_with_a_message(tmp_path, how):
     data = write_data(tmp_path / "data", n=3)
@@ -168,7 +168,7 @@ def test_a_dead_or_frozen_rank_makes_the_other_exit_with_a_message(tmp_path, how
     ClipDataset(data / "validation", 6)
     script = tmp_path / "dying.py"
     script.write_text(DYING_WORKER)
-    overrides = base_config(data) + ["train.max_steps=50", "train.ckpt_every=2", "train.dist_timeout_s=10"]
+    overrides = base_config(data) + ["train.max_steps=50", "train.ckpt_every=2", "train.dist_timeout_s=5"]
     args = ["--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu",
             *[a for o in overrides for a in ("--set", o)]]
     procs = launch(script, args, {"DIE_RANK": "1", "DIE_AT": "3", "DIE_SIGNAL": how})
