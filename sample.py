@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                               use_ema=not args.no_ema, device=args.device, hybrid=hybrid or None)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
+        settings.validate()  # every flag, before the model loads
         result = sample_run(args.run, out, settings)
-    except (ValueError, FileNotFoundError) as err:  # user errors: config, schedule, data, checkpoint
+    except (ValueError, OSError) as err:  # user errors: flags, config, schedule, data, checkpoint, --out
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2
     if "hybrid" in result["summary"]:

@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 # Idle OpenMP threads spin-wait by default; on a CPU shared with other jobs that made a tiny model's
 # training step ~30x slower (1.1 s vs 0.04 s, measured on a loaded 2-core machine). An environment value
 # you set wins. It must be set before torch starts its thread pool, i.e. before the first torch import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from arvdm.checkpoint import CheckpointError, latest_checkpoint, load_config
+from arvdm.checkpoint import CheckpointError, latest_checkpoint, load_config, parse_device
 from arvdm.config import ConfigError, apply_overrides, get_preset
 
 ENV_ACTIONS = {"memory_maze": 6, "crafter": 17}
@@ -58,8 +59,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_config(args: argparse.Namespace):
     """The run's Config: the preset (or, with --resume, the checkpoint's config) plus the overrides."""
     out = args.out or f"runs/{args.preset}"
-    ckpt = latest_checkpoint(out) if args.resume else None
-    cfg = load_config(ckpt) if ckpt is not None else get_preset(args.preset)
+    # Every flag is checked here, before data generation, process groups or training start.
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ConfigError(f"--max-steps must be >= 1, got {args.max_steps}")
+    if args.data is not None and not Path(args.data).is_dir():
+        raise ConfigError(f"--data {args.data}: folder does not exist (it must hold training/ and validation/)")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a folder")
+    parse_device(args.device)
+    ckpt = latest_checkpoint(out)
+    if args.resume and ckpt is None:
+        raise CheckpointError(f"--resume: {out} has no complete checkpoint to resume from")
+    if not args.resume and ckpt is not None:
+        raise CheckpointError(f"{out} already holds checkpoints (newest {ckpt.name}); pass --resume to continue "
+                              f"it or choose another --out")
+    cfg = load_config(ckpt) if args.resume else get_preset(args.preset)
     if args.env:
         cfg.data.env = args.env
         cfg.model.num_actions = max(cfg.model.num_actions, ENV_ACTIONS[args.env])
@@ -78,7 +92,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # Imported after parsing so that --help is instant.
     from arvdm.hybrid import HybridError
-    from arvdm.training import TrainingError, train
+    from arvdm.training import DistributedError, TrainingError, train
 
     user_errors: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, TrainingError, HybridError)
     try:  # the data package's own: corrupt/mis-shaped episode, bad split folder, generator problems
@@ -96,6 +110,9 @@ def main(argv=None) -> int:
     except user_errors as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
+    except DistributedError as e:  # another rank died or hung: say so instead of a traceback or a hang
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("train.py: interrupted; continue with --resume from the last checkpoint", file=sys.stderr)
         return 130

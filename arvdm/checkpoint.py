@@ -232,6 +232,73 @@ def load_training_state(ckpt: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: cannot load training state ({e})") from e
 
 
+def parse_device(name: str | None, flag: str = "--device") -> torch.device:
+    """"auto" or None (cuda when available, else cpu), or a torch device name that this machine has."""
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"{flag} {name!r} is not a device name (auto, cpu, cuda, cuda:1): {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{flag} {name}: CUDA is not available on this machine; use {flag} cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def run_folder(path: str | os.PathLike) -> Path:
+    """The run folder of `path`: itself, or for a checkpoint folder (RUN/checkpoints/step_N) its RUN."""
+    path = Path(path)
+    if path.parent.name == CKPT_DIRNAME and _STEP_RE.match(path.name):
+        return path.parent.parent
+    return path
+
+
+def data_path_candidates(cfg: Config, run_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Where a run's data may be, in the order they are tried (duplicates removed).
+
+    ``data.path`` as stored (relative to the current directory unless absolute); ``data.abs_path`` (the
+    absolute path train.py resolved it to); then ``data.path`` relative to the run folder and each folder
+    above it, so a project folder moved or copied whole (runs/ beside datasets/) still finds its data.
+    """
+    given = Path(cfg.data.path).expanduser()
+    out = [given]
+    if cfg.data.abs_path:
+        out.append(Path(cfg.data.abs_path))
+    if run_dir is not None and not given.is_absolute():
+        run = run_folder(run_dir).resolve()
+        out += [folder / given for folder in (run, *run.parents)]
+    seen: set[str] = set()
+    unique = []
+    for p in out:
+        key = os.path.abspath(p)
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return unique
+
+
+def resolve_data_path(cfg: Config, run_dir: str | os.PathLike | None = None, given: str | os.PathLike | None = None,
+                      *, flag: str = "--data") -> Path:
+    """The run's data folder: `given` (a --data flag) when set, else the first candidate that exists.
+
+    Raises CheckpointError listing every path tried and suggesting `flag`.
+    """
+    if given is not None:
+        if not Path(given).is_dir():
+            raise CheckpointError(f"{flag} {given}: folder does not exist")
+        return Path(given)
+    tried = data_path_candidates(cfg, run_dir)
+    for p in tried:
+        if p.is_dir():
+            return p
+    listing = "\n  ".join(os.path.abspath(p) for p in tried)
+    where = f" of run {run_folder(run_dir)}" if run_dir is not None else ""
+    raise CheckpointError(f"the data{where} was not found: data.path={cfg.data.path!r}; tried:\n  {listing}\n"
+                          f"pass {flag} DIR to point at the data (a folder with training/ and validation/)")
+
+
 def load_for_inference(run_dir: str | os.PathLike, use_ema: bool = True, device: str | torch.device = "cpu"):
     """Rebuild the denoiser of a run (newest checkpoint) for sampling. Returns ``(model, cfg)``.
 

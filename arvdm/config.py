@@ -120,6 +120,7 @@ class MemoryConfig:
 @dataclass
 class DataConfig:
     path: str = "datasets/memory_maze_64"  # a TECO-layout folder with training/ and validation/
+    abs_path: str = ""  # `path` made absolute by train.py (a run folder then finds its data from anywhere)
     env: str = "memory_maze"  # generator used when `path` is absent: memory_maze | crafter
     generate_episodes: int = 24
     generate_length: int = 128
@@ -155,6 +156,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     bf16: bool = True  # autocast on CUDA only
+    dist_timeout_s: float = 600.0  # DDP: a rank waiting this long on the others (one died or hung) gives up
+    find_unused_parameters: bool = False  # DDP: only for a model whose loss leaves some parameter unused
 
     def validate(self) -> None:
         _check(self.window >= 1, "train.window", self.window, "must be >= 1")
@@ -166,6 +169,7 @@ class TrainConfig:
                "must be uniform or min_snr")
         _check(self.min_snr_gamma > 0, "train.min_snr_gamma", self.min_snr_gamma, "must be > 0")
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        _check(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s, "must be > 0 seconds")
 
 
 HYBRID_SELECT = ("online", "offline", "fixed")

@@ -29,7 +29,7 @@ import torch
 from data.episodes import atomic_write
 
 from .baselines import BASELINES, baseline_frames, compare_with_baselines
-from .checkpoint import load_for_inference
+from .checkpoint import load_for_inference, parse_device, resolve_data_path
 from .diffusion import PerFrameDiffusion
 from .evaluate import evaluate_rollout, write_eval_json
 from .hybrid import HybridModel, wrap_for_sampling
@@ -62,13 +62,36 @@ class SampleSettings:
     progress: bool = True
     hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
 
+    def validate(self) -> SampleSettings:
+        """Check every setting before any work starts; errors name the sample.py flag."""
+        from .schedules import PRESETS
+
+        for flag, value, lo in (("--frames", self.frames, 1), ("--steps", self.steps, 1),
+                                ("--context", self.context, 0), ("--episodes", self.episodes, 1),
+                                ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
+                raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
+        if not 0.0 <= float(self.eta) <= 1.0:  # also refuses NaN
+            raise SamplingError(f"--eta must be in [0, 1] (0 = DDIM, 1 = DDPM-like), got {self.eta!r}")
+        if str(self.schedule) not in PRESETS and not Path(self.schedule).is_file():
+            raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
+                                f"({', '.join(PRESETS)}) and no such file")
+        if self.data is not None and not Path(self.data).is_dir():
+            raise SamplingError(f"--data {self.data}: folder does not exist")
+        parse_device(self.device)
+        return self
+
 
 def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings: SampleSettings) -> dict[str, Any]:
     """Roll out a run's model on validation episodes; returns the paths written and summary numbers."""
-    device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if settings.device == "auto" else settings.device))
+    settings.validate()
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise SamplingError(f"--out {out}: exists and is not a folder")
+    device = parse_device(settings.device)
     model, cfg = load_for_inference(run_dir, use_ema=settings.use_ema, device=device)
     model, _ = wrap_for_sampling(model, cfg, run_dir, settings.hybrid)  # lazy layers stream when asked
+    data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps)
     model.check_schedule(schedule.delta, schedule.window)
@@ -78,7 +101,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     if context < 0 or context % c:
         raise SamplingError(f"--context {context} must be a non-negative multiple of the checkpoint's "
                             f"frames_per_chunk={c}")
-    real, actions, poses = load_validation_episodes(settings.data or cfg.data.path, cfg, settings.episodes,
+    real, actions, poses = load_validation_episodes(data_root, cfg, settings.episodes,
                                                     context, settings.frames, split=settings.split)
     n_gen = real.shape[1] - context
     if n_gen < 1:
@@ -95,7 +118,6 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     gen = torch.cat(fakes)  # (N, n_gen, C, H, W)
     fake = torch.cat([real[:, :context], gen], dim=1)  # (N, T, C, H, W): context frames are the given truth
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {
         "video": write_video(out / "rollout.mp4", side_by_side(real, fake)),

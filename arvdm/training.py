@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
+import datetime
 import hashlib
 import math
 import os
@@ -46,6 +47,7 @@ from arvdm.checkpoint import (
     load_config,
     load_training_state,
     load_weights,
+    resolve_data_path,
     save_checkpoint,
     state_dict_for_safetensors,
     unwrap,
@@ -62,6 +64,14 @@ LOG_COLUMNS = ["step", "loss", "lr", "grad_norm", "steps_per_s", "frames_per_s",
 
 class TrainingError(ValueError):
     """A user-facing problem with the data or the run folder (missing data, wrong resolution, ...)."""
+
+
+class DistributedError(RuntimeError):
+    """Under DDP, this rank lost the others: one died, hung past train.dist_timeout_s, or cannot be reached."""
+
+
+# Words in a collective's error that mean "another rank is gone", not a bug in this process.
+_COMM_FAILURE_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "broken pipe", "peer", "socket")
 
 
 # -- distributed ------------------------------------------------------------------------------------
@@ -81,10 +91,11 @@ class DistInfo:
         return self.world_size > 1
 
 
-def setup_distributed(device: str | None = None) -> DistInfo:
+def setup_distributed(device: str | None = None, timeout_s: float = 600.0) -> DistInfo:
     """Join the process group when launched by torchrun (RANK/WORLD_SIZE set); else one process.
 
-    NCCL on GPUs, gloo on CPUs. Each rank uses cuda:LOCAL_RANK when CUDA is available.
+    NCCL on GPUs, gloo on CPUs. Each rank uses cuda:LOCAL_RANK when CUDA is available. A collective
+    that waits `timeout_s` for a rank that died or hung raises instead of hanging the job.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and "RANK" in os.environ:
@@ -93,7 +104,8 @@ def setup_distributed(device: str | None = None) -> DistInfo:
         if use_cuda:
             torch.cuda.set_device(local)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         return DistInfo(rank, local, world, torch.device(f"cuda:{local}" if use_cuda else "cpu"))
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return DistInfo(device=dev)
@@ -166,7 +178,7 @@ def make_dataset(cfg: Config, split: str, n_frames: int, random_start: bool = Tr
     """ClipDataset of `split` with clips of `n_frames`; checks resolution and actions against the model."""
     from data.dataset import ClipDataset
 
-    root = Path(cfg.data.path)
+    root = Path(cfg.data.abs_path or cfg.data.path)  # Trainer sets abs_path to where it found the data
     if not root.is_dir():
         raise TrainingError(f"no data: {root} does not exist (data.path must hold training/ and validation/; "
                             f"run `python train.py` without --data to generate the stand-in, or "
@@ -282,7 +294,7 @@ class Trainer:
 
         cfg.validate()
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.dist = dist_info or setup_distributed(device)
+        self.dist = dist_info or setup_distributed(device, cfg.train.dist_timeout_s)
         self.device = self.dist.device
         tc = cfg.train
         self.m, self.w, self.K = cfg.memory.length, tc.window, cfg.diffusion.num_levels
@@ -296,6 +308,8 @@ class Trainer:
                                   f"to continue it or choose another --out")
         if resume:
             _check_resumable(load_config(ckpt), cfg, ckpt)
+        # Found from here, else beside the run folder; saved absolute so the run samples from anywhere.
+        cfg.data.abs_path = str(resolve_data_path(cfg, self.run_dir, flag="--data").resolve())
 
         # Data: clips of m memory frames + w window frames from the same episode.
         self.train_ds = make_dataset(cfg, "training", self.m + self.w, progress=self.dist.is_main)
@@ -336,7 +350,8 @@ class Trainer:
         self.net = self.model
         if self.dist.enabled:
             self.net = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None)
+                self.model, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
+                find_unused_parameters=tc.find_unused_parameters)
         use_bf16 = tc.bf16 and self.device.type == "cuda"
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
@@ -352,6 +367,8 @@ class Trainer:
         loss = total / count.clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.step == self._start_step:
+            self._check_all_parameters_used()
         # Gradients are already averaged over ranks here, so every rank clips by the same norm.
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else
@@ -361,6 +378,18 @@ class Trainer:
         self.step += 1
         self.ema.update(self.model, self.step)
         return loss.detach(), gnorm.detach()
+
+    def _check_all_parameters_used(self) -> None:
+        """After the first backward: a parameter without a gradient would stall DDP's gradient buckets
+        (find_unused_parameters=False); name it instead, on one process and under DDP alike."""
+        if self.cfg.train.find_unused_parameters:
+            return
+        unused = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            raise TrainingError(f"{len(unused)} parameters got no gradient in the first step (e.g. "
+                                f"{', '.join(unused[:3])}): with memory.structure={self.cfg.memory.structure} and "
+                                f"memory.compressor={self.cfg.memory.compressor} the loss does not use them; "
+                                f"set train.find_unused_parameters=true to train anyway")
 
     # -- the loop --------------------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> Path | None:
@@ -624,13 +653,28 @@ def train(cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *, gene
     With `generate_data` the stand-in data set is generated first when absent (by local rank 0 of each
     node; the others wait), so a fresh machine needs nothing but `python train.py`.
     """
-    info = setup_distributed(device)
+    info = setup_distributed(device, cfg.train.dist_timeout_s)
     try:
-        if generate_data:
+        if generate_data and not (resume and _found_elsewhere(cfg, run_dir)):
             if info.local_rank == 0:
                 prepare_data(cfg)
             _barrier(info)
         trainer = Trainer(cfg, run_dir, resume, dist_info=info)
         return trainer.fit()
+    except RuntimeError as e:
+        if info.enabled and (isinstance(e, dist.DistError) or any(w in str(e).lower() for w in _COMM_FAILURE_WORDS)):
+            raise DistributedError(f"rank {info.rank} of {info.world_size} lost the other ranks (one died, hung "
+                                   f"longer than train.dist_timeout_s={cfg.train.dist_timeout_s:g} s, or is "
+                                   f"unreachable): {str(e).strip().splitlines()[0]}; continue the run with "
+                                   f"--resume from its last checkpoint") from e
+        raise
     finally:
         cleanup_distributed()
+
+
+def _found_elsewhere(cfg: Config, run_dir: str | os.PathLike) -> bool:
+    """A resumed run whose data is not at data.path from here but was found beside the run folder."""
+    try:
+        return not Path(cfg.data.path).is_dir() and resolve_data_path(cfg, run_dir).is_dir()
+    except CheckpointError:
+        return False

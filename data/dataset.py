@@ -110,7 +110,8 @@ def build_index(split_dir: Path, progress: bool = True) -> tuple[list[Path], lis
     for i, p in enumerate(paths):
         stamp = _stamp(p)
         hit = cached.get(p.name)
-        if hit is not None and hit.get("stamp") == stamp:
+        # entries cached before empty episodes counted as bad (length 0, no error) are re-checked
+        if hit is not None and hit.get("stamp") == stamp and (hit.get("error") or hit.get("length", 0) >= 1):
             entries[i] = hit
         else:
             stale.append((i, stamp))

@@ -336,6 +336,12 @@ def _load_small(path: Path, zf: zipfile.ZipFile, key: str) -> np.ndarray:
         raise EpisodeError(path, f"{key!r} is unreadable (truncated or corrupt: {e})")
 
 
+def _check_not_empty(path: Path, n_frames: int) -> None:
+    # A 0-frame episode is well-formed arrays but no data: every reader (clips, previews) needs >= 1 frame.
+    if n_frames < 1:
+        raise EpisodeError(path, "episode is empty (0 frames); remove the file or regenerate it")
+
+
 def read_header(path) -> EpisodeHeader:
     """Check one episode cheaply (no video decode) and return its length, frame size and whether it has pose.
 
@@ -354,6 +360,7 @@ def read_header(path) -> EpisodeHeader:
                 raise EpisodeError(path, f"length mismatch: 'video' has {v.shape[0]} frames but "
                                          f"'actions' has {a.shape[0]} entries")
             max_action = _check_actions_values(path, _load_small(path, zf, "actions"))
+        _check_not_empty(path, v.shape[0])
         return EpisodeHeader(str(path), v.shape[0], v.shape[1], v.shape[2], "pose" in members, max_action, "npz")
     if suffix == ".mp4":
         if not path.exists():
@@ -370,6 +377,7 @@ def read_header(path) -> EpisodeHeader:
         if n_frames != n_actions:
             raise EpisodeError(path, f"length mismatch: video has {n_frames} frames but {side.name} "
                                      f"'actions' has {n_actions} entries")
+        _check_not_empty(path, n_frames)
         return EpisodeHeader(str(path), n_frames, height, width, "pose" in members, max_action, "mp4")
     raise EpisodeError(path, f"unsupported episode file type {suffix!r} (expected .npz or .mp4)")
 

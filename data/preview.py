@@ -105,8 +105,9 @@ def animation(paths: list[Path], out: Path, max_frames: int = 48, scale: int = 2
 def preview(root, out: str | None = None, episodes: int = 4, frames: int = 8,
             gif_frames: int = 48) -> tuple[Path, Path]:
     """Write OUT/preview.png and OUT/preview.gif for the first `episodes` episodes under `root`."""
-    if episodes < 1 or frames < 1 or gif_frames < 1:
-        raise DatasetError("--episodes, --frames and --gif-frames must be >= 1")
+    for flag, value in (("--episodes", episodes), ("--frames", frames), ("--gif-frames", gif_frames)):
+        if value < 1:
+            raise DatasetError(f"{flag} must be >= 1, got {value}")
     paths = find_episodes(root, episodes)
     out_dir = Path(out) if out else Path(root)
     if out_dir.exists() and not out_dir.is_dir():
