@@ -1,4 +1,4 @@
-"""The denoiser: a spatio-temporal DiT in pixel space with chunked temporal attention and memory.
+"""The denoiser: a conv U-Net spatial path around spatio-temporal transformer blocks, in pixel space.
 
     model = Denoiser(cfg)                                    # cfg: arvdm.config.Config
     v = model(x, levels, actions, memory=MemoryFrames(...))  # training / uncached rollout
@@ -6,10 +6,12 @@
     model.commit(state, clean_frames, their_actions)         # frames leave the window
     v = model(x, levels, actions, state=state)
 
-Architecture (DiT with factorised space/time attention, v-prediction):
+Architecture (v-prediction; every frame has its own noise level):
 
-    x (B,T,C,H,W) --patchify--> tokens (B,T,N,D) + learned 2-D position embedding
     cond (B,T,D)  = MLP(sinusoidal(level / K)) + action embedding     (one vector per frame)
+    x (B,T,C,H,W) --ConvEncoder--> per level: ResBlock with adaptive group norm from cond, stride-2 down
+                                   (model.unet_channels; [] = no conv levels, a plain patch DiT)
+                  --patchify the lowest feature map--> tokens (B,T,N,D) + learned 2-D position embedding
     depth x Block, each sublayer pre-norm, AdaLN-Zero modulated by the frame's cond:
         spatial attention   within each frame (N tokens, plain SDPA)
         temporal attention  block-causal over frames (kernels.chunked_attention), RoPE on the
@@ -17,16 +19,22 @@ Architecture (DiT with factorised space/time attention, v-prediction):
                             = 1), "full": all tokens of all frames in one sequence (tokens_per_frame = N)
         cross attention     only for memory.structure = cross_attention: window tokens -> memory tokens
         MLP
-    final AdaLN + linear (zero-init, so training starts from v = 0) --unpatchify--> v (B,T,C,H,W)
+    final AdaLN + linear --unpatchify--> ConvDecoder (skips from the encoder, ResBlocks, upsampling,
+    zero-init output conv, so training starts from v = 0) --> v (B,T,C,H,W)
+
+The transformer blocks run where a frame is a few dozen tokens (8x8 for the tiny preset), as in Diffusion
+Forcing's 3-D U-Net; that is where the chunked temporal attention, the memory and the KV caches live. The
+convolutions see one frame at a time, so chunked causality and "cached == recomputed" hold unchanged.
 
 Memory (memory.structure), from m raw frames or B compressed latent frames (memory.compressor):
     prepend         memory frames/latents are a level-0 prefix of the temporal attention
     channel_concat  memory tokens concatenated along channels -> linear -> added to every window token
     cross_attention an extra AdaLN-gated cross-attention sublayer per block
+Memory frames are encoded by the same ConvEncoder at level 0 (their skips are not needed).
 
 Cached rollouts (`init_state` / `commit`) keep, per layer, the keys/values of committed frames
 (prepend), or the memory projection / cross-attention K/V (the other structures), so a denoising step
-costs O(window + memory). See docs/sections/model_memory.md for the cache semantics.
+costs O(window + memory).
 """
 
 from __future__ import annotations

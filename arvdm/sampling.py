@@ -7,7 +7,8 @@ For each of the first ``episodes`` validation episodes: condition on ``context``
 out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, and write into ``out_dir``
 
 - ``rollout.mp4``  ground truth (left) beside generated (right), one episode per row;
-- ``rollout.png``  a filmstrip: for up to 4 episodes, ground truth above generated, 10 frames over time;
+- ``rollout.png``  a filmstrip: for up to 4 episodes, ground truth above generated: the last context frame,
+  8 consecutive generated frames, then 3 later ones;
 - ``rollout.npz``  ``real`` and ``fake`` uint8 (N, T, H, W, 3), context included (the fake's context frames
   are the ground truth it was given), as TECO's evaluation scripts read them;
 - ``metrics.csv``  per generated frame index (0 = first generated frame), mean over episodes: the model's
@@ -121,7 +122,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     out.mkdir(parents=True, exist_ok=True)
     paths = {
         "video": write_video(out / "rollout.mp4", side_by_side(real, fake)),
-        "filmstrip": write_image(out / "rollout.png", filmstrip(real[:4], fake[:4])),
+        "filmstrip": write_image(out / "rollout.png", filmstrip(real[:4], fake[:4], indices=_strip_frames(context,
+                                                                                                    fake.shape[1]))),
         "arrays": _write_npz(out / "rollout.npz", real=to_uint8(real), fake=to_uint8(fake)),
     }
     target = real[:, context:]  # (N, n_gen, C, H, W)
@@ -148,6 +150,14 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
             "config": cfg.to_dict(), **({"hybrid": summary["hybrid"]} if "hybrid" in summary else {})})
         summary["max_psnr_decay"] = result["max_psnr_decay"]
     return {"paths": {k: str(v) for k, v in paths.items()}, "summary": summary}
+
+
+def _strip_frames(context: int, total: int) -> list[int]:
+    """Filmstrip columns: the last context frame, 8 consecutive generated frames (does the view move with
+    the actions?), then 3 frames spread over the rest of the rollout (does it hold up?)."""
+    first = list(range(max(context - 1, 0), min(context + 8, total)))
+    rest = np.linspace(first[-1], total - 1, 4).round().astype(int)[1:].tolist() if total - 1 > first[-1] else []
+    return first + rest
 
 
 def load_validation_episodes(root: str | os.PathLike, cfg, n_episodes: int, context: int, frames: int | None,

@@ -59,12 +59,16 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Pa
     return path
 
 
-def filmstrip(real: torch.Tensor, fake: torch.Tensor, columns: int = 10, scale: int = 2, gap: int = 2) -> np.ndarray:
+def filmstrip(real: torch.Tensor, fake: torch.Tensor, columns: int = 10, scale: int = 2, gap: int = 2,
+              indices: list[int] | None = None) -> np.ndarray:
     """One picture of a rollout: for each episode a ground-truth row above a generated row, `columns` frames
-    evenly spaced over time. (B, T, C, H, W) x2 -> (H', W', 3) uint8."""
+    evenly spaced over time (or the frames `indices`). (B, T, C, H, W) x2 -> (H', W', 3) uint8."""
     if real.shape != fake.shape:
         raise ValueError(f"filmstrip: real {tuple(real.shape)} and fake {tuple(fake.shape)} differ")
-    idx = np.linspace(0, real.shape[1] - 1, min(columns, real.shape[1])).round().astype(int)
+    if indices is not None:
+        idx = np.asarray([i for i in indices if 0 <= i < real.shape[1]], dtype=int)
+    else:
+        idx = np.linspace(0, real.shape[1] - 1, min(columns, real.shape[1])).round().astype(int)
     rows = [to_uint8(v)[idx] for pair in zip(real, fake) for v in pair]  # 2B x (n, H, W, 3)
     n, h, w, c = rows[0].shape
     canvas = np.full((len(rows) * (h + gap) - gap, n * (w + gap) - gap, c), 255, np.uint8)
