@@ -52,7 +52,7 @@ class SampleSettings:
     context: int | None = None  # ground-truth frames to condition on; None = max(memory length, 1 chunk)
     episodes: int = 4
     batch_size: int = 4
-    eta: float = 0.0  # 0 = DDIM, 1 = DDPM-like
+    eta: float = 1.0  # 0 = DDIM, 1 = DDPM-like (measured better on the tiny model: benchmarks/RESULTS.md)
     seed: int = 0
     use_cache: bool = True  # False = recompute the memory at every denoising call (Diffusion Forcing)
     evaluate: bool = False
