@@ -179,7 +179,7 @@ def test_grid_files_by_path_and_by_name(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({k: v for k, v in spec(tmp_path).items() if k != "name"}))
     assert load_grid(path).name == "mine"  # the file's stem when the grid has no name
-    assert [c.name for c in load_grid(path).cells] == ["prepend-m8-none-chunked"]  # no axes: the base cell
+    assert [c.name for c in load_grid(path).cells] == ["prepend-m4-none-chunked"]  # no axes: the base cell (tiny: m=4)
     with pytest.raises(GridError, match=r"no grid 'nope'.*tiny"):
         load_grid("nope")
     (tmp_path / "bad.yaml").write_text("axes: [1, 2\n")

@@ -66,9 +66,10 @@ def test_sample_writes_video_arrays_metrics_and_eval(run, tmp_path):
         assert key in ev
     assert (out / "rollout.mp4").stat().st_size > 0
     import imageio.v2 as imageio
-    strip = imageio.imread(out / "rollout.png")  # 2 episodes x (truth row, generated row), 10 frames, 2x
-    assert strip.shape == (2 * (4 * 16 + 3 * 2), 2 * (10 * 16 + 9 * 2), 3)
-    np.testing.assert_array_equal(strip[:32:2, :32:2], real[0, 0])  # top-left: the first true frame
+    strip = imageio.imread(out / "rollout.png")  # 2 episodes x (truth row, generated row), 12 frames, 2x
+    # columns: the last context frame, 8 consecutive generated frames, 3 later ones
+    assert strip.shape == (2 * (4 * 16 + 3 * 2), 2 * (12 * 16 + 11 * 2), 3)
+    np.testing.assert_array_equal(strip[:32:2, :32:2], real[0, 3])  # top-left: the last context frame
 
 
 def test_cache_and_no_cache_agree_with_full_retention(tmp_path):
