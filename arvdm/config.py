@@ -139,6 +139,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     bf16: bool = True  # autocast on CUDA only
+    grad_accum: int = 1  # micro-batches of batch_size per optimizer step (exact: one batch of grad_accum x)
+    compile: bool = False  # torch.compile the denoiser for training (a GPU speed-up; slow first steps)
 
     def validate(self) -> None:
         _check(self.window >= 1, "train.window", self.window, "must be >= 1")
@@ -147,6 +149,7 @@ class TrainConfig:
         _check(self.max_steps >= 1, "train.max_steps", self.max_steps, "must be >= 1")
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
 
 
 @dataclass

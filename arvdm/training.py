@@ -284,7 +284,8 @@ class Trainer:
         self.device = self.dist.device
         tc = cfg.train
         self.m, self.w, self.K = cfg.memory.length, tc.window, cfg.diffusion.num_levels
-        self.global_batch = tc.batch_size * self.dist.world_size
+        # One optimizer step takes grad_accum micro-batches of batch_size clips on every rank.
+        self.global_batch = tc.batch_size * self.dist.world_size * tc.grad_accum
 
         ckpt = latest_checkpoint(self.run_dir)
         if resume and ckpt is None:
@@ -327,24 +328,52 @@ class Trainer:
         if resume:
             self._load(ckpt)
 
-        self.net = self.model
+        # torch.compile first, then DDP (as nanoGPT does); `unwrap` finds the plain module under both.
+        self.net = torch.compile(self.model) if tc.compile else self.model
         if self.dist.enabled:
             self.net = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None)
+                self.net, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None)
         use_bf16 = tc.bf16 and self.device.type == "cuda"
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
 
     # -- one step ------------------------------------------------------------------------------------
-    def train_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on one batch, or on a list of micro-batches (gradient accumulation).
+
+        The objective is Σ loss / Σ counted frames over every micro-batch and rank, so N micro-batches of b
+        clips give exactly the loss and gradients of one batch of N·b (a mean of per-micro-batch means
+        would not: each micro-batch counts a different number of noisy frames). Each micro-batch's sum is
+        back-propagated as it comes (activations of one micro-batch at a time); the gradients are divided
+        by the total count at the end, on the device, so the step reads nothing back to the host.
+        """
+        micro_batches = batch if isinstance(batch, list) else [batch]
         self.net.train()
-        video = batch["video"].to(self.device, non_blocking=True)  # (B, m+w, C, H, W)
-        actions = batch["actions"].to(self.device, non_blocking=True)  # (B, m+w)
-        total, count = diffusion_forcing_loss(self.net, self.diffusion, video, actions, self.m, self.K,
-                                              self.generator, self.autocast)
-        loss = total / count.clamp(min=1)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total_sum = torch.zeros((), device=self.device)
+        count_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro_batches):
+            video = mb["video"].to(self.device, non_blocking=True)  # (b, m+w, C, H, W)
+            actions = mb["actions"].to(self.device, non_blocking=True)  # (b, m+w)
+            # DDP all-reduces the gradients on the last micro-batch only.
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
+            with sync:
+                total, count = diffusion_forcing_loss(self.net, self.diffusion, video, actions, self.m, self.K,
+                                                      self.generator, self.autocast)
+                total.backward()
+            total_sum += total.detach().float()
+            count_sum += count.detach().float()
+        grad_scale = 1.0 / count_sum.clamp(min=1)
+        if self.dist.enabled:  # DDP averaged the per-rank gradient sums: scale by world / Σ counts of all ranks
+            sums = torch.stack([total_sum, count_sum])
+            torch.distributed.all_reduce(sums)
+            total_sum, count_sum = sums[0], sums[1]
+            grad_scale = self.dist.world_size / count_sum.clamp(min=1)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, grad_scale)  # Σ-loss gradients -> gradients of the mean loss
+        loss = total_sum / count_sum.clamp(min=1)
         # Gradients are already averaged over ranks here, so every rank clips by the same norm.
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else
@@ -381,7 +410,7 @@ class Trainer:
                        f"{self.global_batch}, run folder {self.run_dir}")
         while self.step < tc.max_steps:
             t0 = time.perf_counter()
-            loss, gnorm = self.train_step(next(batches))
+            loss, gnorm = self.train_step([next(batches) for _ in range(tc.grad_accum)])
             self.elapsed += time.perf_counter() - t0
             loss_sum += loss
             loss_n += 1
