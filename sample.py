@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     p.add_argument("--eval", action="store_true", help="also write eval.json (spans, decay, retrieval)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the denoiser (a GPU speed-up; the first frames are slow to compile)")
     args = p.parse_args(argv)
 
     from arvdm.sampling import SampleSettings, sample_run
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,
                               use_cache=not args.no_cache, evaluate=args.eval, data=args.data,
-                              use_ema=not args.no_ema, device=args.device)
+                              use_ema=not args.no_ema, device=args.device,
+                              compile=args.compile)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         result = sample_run(args.run, out, settings)

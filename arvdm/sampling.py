@@ -54,6 +54,7 @@ class SampleSettings:
     use_ema: bool = True
     device: str = "auto"
     progress: bool = True
+    compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
 
 
 def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings: SampleSettings) -> dict[str, Any]:
@@ -61,6 +62,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if settings.device == "auto" else settings.device))
     model, cfg = load_for_inference(run_dir, use_ema=settings.use_ema, device=device)
+    if settings.compile:
+        model = compile_for_sampling(model)
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps)
     model.check_schedule(schedule.delta, schedule.window)
@@ -107,6 +110,17 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
             "config": cfg.to_dict()})
         summary["max_psnr_decay"] = result["max_psnr_decay"]
     return {"paths": {k: str(v) for k, v in paths.items()}, "summary": summary}
+
+
+def compile_for_sampling(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile`` the denoiser's forward for rollouts; ``init_state``/``commit`` stay eager.
+
+    The returned module forwards attribute access to the model, so ``pipeline.rollout`` takes it as is.
+    Window shapes are static per schedule (every call has (B, w) levels); the memory / KV-cache length
+    grows until the retention policy caps it, and dynamo's automatic dynamic shapes mark it dynamic after
+    its first change, so a rollout compiles a handful of graphs, not one per frame.
+    """
+    return torch.compile(model)
 
 
 def load_validation_episodes(root: str | os.PathLike, cfg, n_episodes: int, context: int,
