@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from .episodes import EpisodeError, atomic_write, read_actions_pose, read_frames, read_header
+from .episodes import EpisodeError, atomic_write, open_video_memmap, read_actions_pose, read_frames, read_header
 
 INDEX_FILE = ".arvdm_index.json"
 INDEX_VERSION = 1
@@ -142,6 +143,9 @@ class ClipDataset(Dataset):
         random_start: index every valid start (for random sampling) instead of consecutive clips.
         resize: if > 0, resize frames to resize x resize (bilinear, antialiased).
         skip_bad: drop bad episode files with a warning instead of raising.
+        mmap: read stored (uncompressed) npz videos through a memory map, kept open per process for the
+            last ``OPEN_EPISODES`` episodes with their actions and poses (no zip parsing per clip).
+            Compressed npz and mp4 are read as before.
 
     Item: ``video`` float32 (T, C, H, W) in [-1, 1], ``actions`` int64 (T,), ``pose`` float32 (T, 3)
     (only when every episode has a pose), ``episode`` int (index into ``self.episodes``), ``start`` int
@@ -149,7 +153,7 @@ class ClipDataset(Dataset):
     """
 
     def __init__(self, split_dir, n_frames: int, frame_skip: int = 1, random_start: bool = True,
-                 resize: int = 0, skip_bad: bool = False, progress: bool = True):
+                 resize: int = 0, skip_bad: bool = False, progress: bool = True, mmap: bool = True):
         if n_frames < 1:
             raise DatasetError(f"n_frames must be >= 1, got {n_frames}")
         if frame_skip < 1:
@@ -158,7 +162,8 @@ class ClipDataset(Dataset):
             raise DatasetError(f"resize must be >= 0, got {resize}")
         self.split_dir = resolve_split(split_dir)
         self.n_frames, self.frame_skip, self.random_start = n_frames, frame_skip, random_start
-        self.resize = resize
+        self.resize, self.mmap = resize, mmap
+        self._open: OrderedDict[int, tuple] = OrderedDict()  # episode -> (video map | None, actions, pose)
         self.span = (n_frames - 1) * frame_skip + 1  # raw frames one clip covers
 
         # index_persisted: False when the folder is read-only and the index lives in memory only
@@ -209,12 +214,41 @@ class ClipDataset(Dataset):
         within = index - (int(self._ends[episode - 1]) if episode else 0)
         return episode, within if self.random_start else within * self.span
 
+    OPEN_EPISODES = 128  # memory maps (one file descriptor each) and small arrays kept per process
+
+    def _episode(self, episode: int) -> tuple[np.memmap | None, np.ndarray, np.ndarray | None]:
+        """(video memory map or None, actions, pose) of an episode, from a small per-process LRU."""
+        if episode in self._open:
+            self._open.move_to_end(episode)
+            return self._open[episode]
+        path = self.episodes[episode]
+        entry = (open_video_memmap(path), *read_actions_pose(path))
+        self._open[episode] = entry
+        if len(self._open) > self.OPEN_EPISODES:
+            self._open.popitem(last=False)
+        return entry
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers get the dataset pickled (spawn) or forked: open maps stay with their process.
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
+
     def __getitem__(self, index: int) -> dict:
         episode, start = self.locate(int(index))
         path = self.episodes[episode]
         stop = start + self.span
-        frames = np.array(read_frames(path, start, stop)[:: self.frame_skip])  # (T, H, W, 3) uint8, writable
-        actions, pose = read_actions_pose(path)
+        if self.mmap:
+            video_map, actions, pose = self._episode(episode)
+        else:
+            video_map, (actions, pose) = None, read_actions_pose(path)
+        if video_map is not None:
+            if stop > video_map.shape[0]:
+                raise EpisodeError(path, f"frames {start}..{stop - 1} requested but 'video' has "
+                                         f"{video_map.shape[0]} frames (file changed since it was indexed?)")
+            frames = np.array(video_map[start:stop:self.frame_skip])  # (T, H, W, 3) uint8: copies the frames
+        else:
+            frames = np.array(read_frames(path, start, stop)[:: self.frame_skip])  # (T, H, W, 3) uint8, writable
         video = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()  # (T, C, H, W) uint8: cheap copy
         video = video.float().div_(127.5).sub_(1.0)  # [0, 255] -> [-1, 1]
         if self.resize and tuple(video.shape[-2:]) != (self.resize, self.resize):

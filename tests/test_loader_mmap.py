@@ -1,0 +1,48 @@
+"""The memory-mapped episode store: same clips as the zip reader, bounded open maps, workers start clean."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import torch
+
+from data.dataset import ClipDataset
+from data.episodes import open_video_memmap, write_episode
+
+
+def _write(root, compress, n=3, length=20, seed=0):
+    rng = np.random.default_rng(seed)
+    for e in range(n):
+        write_episode(root / f"ep{e}.npz", rng.integers(0, 256, (length, 8, 8, 3), dtype=np.uint8),
+                      rng.integers(0, 6, length), rng.normal(size=(length, 3)).astype(np.float32),
+                      compress=compress)
+    return root
+
+
+def test_memmap_clips_equal_zip_reads(tmp_path):
+    stored = _write(tmp_path / "stored", compress=False)
+    packed = _write(tmp_path / "packed", compress=True)
+    assert isinstance(open_video_memmap(stored / "ep1.npz"), np.memmap)
+    assert open_video_memmap(packed / "ep1.npz") is None  # deflated bytes cannot be mapped
+    mapped = ClipDataset(stored, n_frames=5, frame_skip=2, progress=False)
+    plain = ClipDataset(stored, n_frames=5, frame_skip=2, progress=False, mmap=False)
+    zipped = ClipDataset(packed, n_frames=5, frame_skip=2, progress=False)
+    for i in [0, 7, len(mapped) - 1, 3, 7]:
+        a, b, c = mapped[i], plain[i], zipped[i]
+        for key in ("video", "actions", "pose"):
+            assert torch.equal(a[key], b[key]) and torch.equal(a[key], c[key]), (i, key)
+    assert mapped._open and all(isinstance(v[0], np.memmap) for v in mapped._open.values())
+    a = mapped[4]["video"]
+    a += 1  # items own their memory: writing one must not touch the map (which is read-only anyway)
+    assert torch.equal(mapped[4]["video"], plain[4]["video"])
+
+
+def test_open_maps_are_bounded_and_not_pickled(tmp_path, monkeypatch):
+    ds = ClipDataset(_write(tmp_path / "s", compress=False, n=4), n_frames=4, progress=False)
+    monkeypatch.setattr(ClipDataset, "OPEN_EPISODES", 2)
+    for i in range(len(ds)):
+        ds[i]
+    assert len(ds._open) == 2 and list(ds._open) == [2, 3]  # the two most recently read episodes
+    clone = pickle.loads(pickle.dumps(ds))
+    assert len(clone._open) == 0 and torch.equal(clone[0]["video"], ds[0]["video"])
