@@ -172,8 +172,10 @@ def make_dataset(cfg: Config, split: str, n_frames: int, random_start: bool = Tr
         raise TrainingError(f"no data: {root} does not exist (data.path must hold training/ and validation/; "
                             f"run `python train.py` without --data to generate the stand-in, or "
                             f"`python -m data.generate memory_maze --out {root}`)")
+    # uint8 clips: the loader only slices bytes; Trainer._to_device converts them on the device.
     ds = ClipDataset(root / split, n_frames, frame_skip=cfg.data.frame_skip, random_start=random_start,
-                     resize=cfg.data.resize, skip_bad=cfg.data.skip_bad_files, progress=progress)
+                     resize=cfg.data.resize, skip_bad=cfg.data.skip_bad_files, progress=progress,
+                     video_dtype="uint8")
     h, w = ds.frame_size
     if (h, w) != (cfg.model.image_size, cfg.model.image_size):
         raise TrainingError(
@@ -354,8 +356,7 @@ class Trainer:
         total_sum = torch.zeros((), device=self.device)
         count_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
-            video = mb["video"].to(self.device, non_blocking=True)  # (b, m+w, C, H, W)
-            actions = mb["actions"].to(self.device, non_blocking=True)  # (b, m+w)
+            video, actions = self._to_device(mb)  # (b, m+w, C, H, W) float in [-1, 1], (b, m+w)
             # DDP all-reduces the gradients on the last micro-batch only.
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
@@ -383,6 +384,13 @@ class Trainer:
         self.step += 1
         self.ema.update(self.model, self.step)
         return loss.detach(), gnorm.detach()
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A collated batch on the device: video float (B, T, C, H, W) in [-1, 1] (uint8 converted there), actions."""
+        from data.dataset import to_float_video
+
+        video = to_float_video(batch["video"].to(self.device, non_blocking=True))
+        return video, batch["actions"].to(self.device, non_blocking=True)
 
     # -- the loop --------------------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> Path | None:
@@ -467,8 +475,9 @@ class Trainer:
         for j in range(self.dist.rank, len(batches), self.dist.world_size):
             batch = _collate([self.val_ds[i] for i in batches[j]])
             g = torch.Generator(device=self.device).manual_seed(_mix(tc.seed, "val", j))
-            total, cnt = diffusion_forcing_loss(unwrap(model), self.diffusion, batch["video"].to(self.device),
-                                                batch["actions"].to(self.device), self.m, self.K, g, self.autocast)
+            video, actions = self._to_device(batch)
+            total, cnt = diffusion_forcing_loss(unwrap(model), self.diffusion, video, actions, self.m, self.K, g,
+                                                self.autocast)
             sums += torch.stack([total.double(), cnt.double()])
         if self.dist.enabled:
             dist.all_reduce(sums)
@@ -499,7 +508,7 @@ class Trainer:
             return None
         picks = [round(i * len(ds) / SAMPLE_CLIPS) for i in range(min(SAMPLE_CLIPS, len(ds)))]
         batch = _collate([ds[i] for i in picks])
-        video, actions = batch["video"].to(self.device), batch["actions"].to(self.device)
+        video, actions = self._to_device(batch)
         schedule = get_schedule("chunked", self.w, self.K, SAMPLE_STEPS)
         g = torch.Generator(device=self.device).manual_seed(_mix(self.cfg.train.seed, "sample"))
         fake = rollout(self.ema.model, self.diffusion, schedule, video[:, :ctx], actions[:, :ctx],

@@ -9,7 +9,9 @@ writing. The loader part reads random clips of the paper preset's shape (memory.
 48 + 16 = 64 frames of 64x64, batch 32) from 300-frame episodes (DMLab's length; the rendered Memory Maze
 frames, or with --loader-only blocky synthetic frames that compress about as well) through a DataLoader
 with 0 and 2 workers, for three formats: compressed npz (the default), stored npz read through the zip
-(`ClipDataset(mmap=False)`) and stored npz through a memory map (the default for stored files). It then
+(`ClipDataset(mmap=False)`), stored npz through a memory map (the default for stored files), and the
+same as uint8 clips (`video_dtype="uint8"`, what the Trainer loads: the float conversion moves to the
+device, where it is free). It then
 prints what a GPU consumes: batch x steps/s clips/s, for the steps/s that `benchmarks/gpu_check.sh`
 measures (pass it as --gpu-steps-per-s). The index part times opening a folder of many episodes.
 """
@@ -91,8 +93,9 @@ def synthetic_frames(n: int, size: int = 64, seed: int = 0) -> np.ndarray:
     return np.clip(out, 0, 255).astype(np.uint8)
 
 
-LOADER_FORMATS = (("compressed npz", True, True), ("stored npz, zip", False, False),
-                  ("stored npz, mmap", False, True))  # (name, compress, ClipDataset(mmap=...))
+LOADER_FORMATS = (("compressed npz", True, True, "float32"), ("stored npz, zip", False, False, "float32"),
+                  ("stored npz, mmap", False, True, "float32"), ("stored, mmap, uint8", False, True, "uint8"))
+# (name, compress, ClipDataset(mmap=...), ClipDataset(video_dtype=...)); uint8 is what the Trainer loads
 
 
 def bench_loader(root: Path, frames: np.ndarray, n_episodes: int, batches: int, workers_list, clip_frames: int,
@@ -105,10 +108,11 @@ def bench_loader(root: Path, frames: np.ndarray, n_episodes: int, batches: int, 
         for i in range(n_episodes):
             idx = (int(rng.integers(len(frames))) + np.arange(300)) % len(frames)
             write_episode(split / f"{i:04d}.npz", frames[idx], rng.integers(0, 6, 300), compress=compress)
-    for name, compress, mmap in LOADER_FORMATS:
+    for name, compress, mmap, video_dtype in LOADER_FORMATS:
         split = root / ("compressed" if compress else "stored")
         size_mb = sum(p.stat().st_size for p in split.glob("*.npz")) / n_episodes / 1e6
-        ds = ClipDataset(split, n_frames=clip_frames, frame_skip=1, progress=False, mmap=mmap)
+        ds = ClipDataset(split, n_frames=clip_frames, frame_skip=1, progress=False, mmap=mmap,
+                         video_dtype=video_dtype)
         for workers in workers_list:
             loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
                                                  persistent_workers=workers > 0,
@@ -177,11 +181,11 @@ def main() -> None:
             frames = synthetic_frames(600)
         print(f"\nloader (DataLoader, batch {args.batch_size} x {args.clip_frames} frames x 64x64, random starts, "
               f"{args.loader_episodes} episodes x 300 {source})")
-        print(f"{'format':<17} {'MB/episode':>10} {'workers':>7} {'clips/s':>8} {'ms/batch':>9}")
+        print(f"{'format':<19} {'MB/episode':>10} {'workers':>7} {'clips/s':>8} {'ms/batch':>9}")
         rows = bench_loader(tmp / "loader", frames, args.loader_episodes, args.batches, (0, 2), args.clip_frames,
                             args.batch_size)
         for r in rows:
-            print(f"{r['format']:<17} {r['mb']:>10.2f} {r['workers']:>7} {r['clips_s']:>8.1f} "
+            print(f"{r['format']:<19} {r['mb']:>10.2f} {r['workers']:>7} {r['clips_s']:>8.1f} "
                   f"{r['ms_per_batch']:>9.1f}")
         base = {r["workers"]: r["clips_s"] for r in rows if r["format"] == "compressed npz"}
         best = max(rows, key=lambda r: r["clips_s"])

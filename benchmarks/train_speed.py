@@ -74,8 +74,8 @@ def count_step_flops(trainer: Trainer, batch: dict) -> int:
     model = trainer.model  # eager, whatever the mode: dynamo-compiled graphs hide their ops from the counter
     g = torch.Generator(device=trainer.device).manual_seed(0)
     with FlopCounterMode(display=False) as counter:
-        total, count = diffusion_forcing_loss(model, trainer.diffusion, batch["video"].to(trainer.device),
-                                              batch["actions"].to(trainer.device), trainer.m, trainer.K, g,
+        video, actions = trainer._to_device(batch)
+        total, count = diffusion_forcing_loss(model, trainer.diffusion, video, actions, trainer.m, trainer.K, g,
                                               trainer.autocast)
         (total / count.clamp(min=1)).backward()
     model.zero_grad(set_to_none=True)

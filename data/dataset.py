@@ -133,6 +133,13 @@ def build_index(split_dir: Path, progress: bool = True) -> tuple[list[Path], lis
     return paths, entries, persisted
 
 
+def to_float_video(video: torch.Tensor) -> torch.Tensor:
+    """uint8 frames in [0, 255] -> float32 in [-1, 1] (on the tensor's device); float input passes through."""
+    if video.dtype != torch.uint8:
+        return video
+    return video.float().div_(127.5).sub_(1.0)
+
+
 class ClipDataset(Dataset):
     """Clips of `n_frames` frames (every `frame_skip`-th frame) from the episodes in `split_dir`.
 
@@ -143,6 +150,9 @@ class ClipDataset(Dataset):
         random_start: index every valid start (for random sampling) instead of consecutive clips.
         resize: if > 0, resize frames to resize x resize (bilinear, antialiased).
         skip_bad: drop bad episode files with a warning instead of raising.
+        video_dtype: "float32" (the item's video in [-1, 1]) or "uint8" (the raw [0, 255] bytes as a (T, C, H, W)
+            view, 4x less to collate and copy to the device; convert there with `to_float_video`). The
+            float conversion is most of a stored clip's reading cost on the CPU.
         mmap: read stored (uncompressed) npz videos through a memory map, kept open per process for the
             last ``OPEN_EPISODES`` episodes with their actions and poses (no zip parsing per clip).
             Compressed npz and mp4 are read as before.
@@ -153,7 +163,8 @@ class ClipDataset(Dataset):
     """
 
     def __init__(self, split_dir, n_frames: int, frame_skip: int = 1, random_start: bool = True,
-                 resize: int = 0, skip_bad: bool = False, progress: bool = True, mmap: bool = True):
+                 resize: int = 0, skip_bad: bool = False, progress: bool = True, mmap: bool = True,
+                 video_dtype: str = "float32"):
         if n_frames < 1:
             raise DatasetError(f"n_frames must be >= 1, got {n_frames}")
         if frame_skip < 1:
@@ -162,7 +173,9 @@ class ClipDataset(Dataset):
             raise DatasetError(f"resize must be >= 0, got {resize}")
         self.split_dir = resolve_split(split_dir)
         self.n_frames, self.frame_skip, self.random_start = n_frames, frame_skip, random_start
-        self.resize, self.mmap = resize, mmap
+        if video_dtype not in ("float32", "uint8"):
+            raise DatasetError(f"video_dtype must be 'float32' or 'uint8', got {video_dtype!r}")
+        self.resize, self.mmap, self.video_dtype = resize, mmap, video_dtype
         self._open: OrderedDict[int, tuple] = OrderedDict()  # episode -> (video map | None, actions, pose)
         self.span = (n_frames - 1) * frame_skip + 1  # raw frames one clip covers
 
@@ -249,11 +262,15 @@ class ClipDataset(Dataset):
             frames = np.array(video_map[start:stop:self.frame_skip])  # (T, H, W, 3) uint8: copies the frames
         else:
             frames = np.array(read_frames(path, start, stop)[:: self.frame_skip])  # (T, H, W, 3) uint8, writable
-        video = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()  # (T, C, H, W) uint8: cheap copy
-        video = video.float().div_(127.5).sub_(1.0)  # [0, 255] -> [-1, 1]
-        if self.resize and tuple(video.shape[-2:]) != (self.resize, self.resize):
+        video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (T, C, H, W) uint8 view
+        resize = self.resize and tuple(video.shape[-2:]) != (self.resize, self.resize)
+        if self.video_dtype == "float32" or resize:
+            video = to_float_video(video)  # (T, C, H, W) in [-1, 1]
+        if resize:
             video = F.interpolate(video, size=(self.resize, self.resize), mode="bilinear",
                                   antialias=True, align_corners=False).clamp_(-1.0, 1.0)
+            if self.video_dtype == "uint8":  # resized frames stored at 8 bits, as a data set made at that size
+                video = video.add_(1.0).mul_(127.5).round_().to(torch.uint8)
         item = {"video": video,
                 "actions": torch.from_numpy(actions[start:stop:self.frame_skip].copy()),
                 "episode": episode, "start": start}

@@ -46,3 +46,20 @@ def test_open_maps_are_bounded_and_not_pickled(tmp_path, monkeypatch):
     assert len(ds._open) == 2 and list(ds._open) == [2, 3]  # the two most recently read episodes
     clone = pickle.loads(pickle.dumps(ds))
     assert len(clone._open) == 0 and torch.equal(clone[0]["video"], ds[0]["video"])
+
+
+def test_uint8_clips_convert_to_the_float_clips(tmp_path):
+    from data.dataset import to_float_video
+
+    root = _write(tmp_path / "s", compress=False)
+    f32 = ClipDataset(root, n_frames=4, progress=False)
+    u8 = ClipDataset(root, n_frames=4, progress=False, video_dtype="uint8")
+    for i in (0, 9):
+        raw = u8[i]["video"]
+        assert raw.dtype == torch.uint8 and raw.shape == f32[i]["video"].shape
+        assert torch.equal(to_float_video(raw), f32[i]["video"])
+    # resized clips come back as 8-bit frames of the resized float clip
+    r32 = ClipDataset(root, n_frames=4, progress=False, resize=4)
+    r8 = ClipDataset(root, n_frames=4, progress=False, resize=4, video_dtype="uint8")
+    assert r8[3]["video"].dtype == torch.uint8
+    assert (to_float_video(r8[3]["video"]) - r32[3]["video"]).abs().max() <= 1 / 127.5 + 1e-6

@@ -65,8 +65,8 @@ def test_grad_accum_equals_one_big_batch(tmp_path, data, monkeypatch):
 
     # Not vacuous: the two halves count different numbers of frames, so a mean of the two micro-batch
     # means (naive accumulation) is another number.
-    parts = [_per_clip_loss(big.model, big.diffusion, h["video"], h["actions"], big.m, big.K, None,
-                            big.autocast) for h in halves]
+    parts = [_per_clip_loss(big.model, big.diffusion, *big._to_device(h), big.m, big.K, None, big.autocast)
+             for h in halves]
     assert parts[0][1] != parts[1][1]
     naive = ((parts[0][0] / parts[0][1] + parts[1][0] / parts[1][1]) / 2).detach()
     assert abs(float(naive) - float(loss_big)) > 1e-4
