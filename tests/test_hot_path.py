@@ -120,6 +120,7 @@ def test_memory_reads_make_no_host_reads(monkeypatch):
             mem = bank.memory()
             start = mem.window_start
             cache.keys_values()
+            cache.keys_values_with(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
     assert ops == [] and start == 6 and mem.positions.tolist() == [2, 3, 4, 5]
 
 
