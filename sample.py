@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="hybrid attention: the fraction F of temporal layers (the laziest) that stream")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="hybrid.KEY=VALUE",
                    help="hybrid-attention setting (fraction, select, layers, sink, recent, last_frames, ratios)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the denoiser (a GPU speed-up; the first frames are slow to compile)")
     args = p.parse_args(argv)
     hybrid = {}
     for item in args.overrides:
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,
                               use_cache=not args.no_cache, evaluate=args.eval, data=args.data, split=args.split,
-                              use_ema=not args.no_ema, device=args.device, hybrid=hybrid or None)
+                              use_ema=not args.no_ema, device=args.device, hybrid=hybrid or None,
+                              compile=args.compile)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads

@@ -158,6 +158,8 @@ class TrainConfig:
     bf16: bool = True  # autocast on CUDA only
     dist_timeout_s: float = 600.0  # DDP: a rank waiting this long on the others (one died or hung) gives up
     find_unused_parameters: bool = False  # DDP: only for a model whose loss leaves some parameter unused
+    grad_accum: int = 1  # micro-batches of batch_size per optimizer step (exact: one batch of grad_accum x)
+    compile: bool = False  # torch.compile the denoiser for training (a GPU speed-up; slow first steps)
 
     def validate(self) -> None:
         _check(self.window >= 1, "train.window", self.window, "must be >= 1")
@@ -169,6 +171,7 @@ class TrainConfig:
                "must be uniform or min_snr")
         _check(self.min_snr_gamma > 0, "train.min_snr_gamma", self.min_snr_gamma, "must be > 0")
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
         _check(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s, "must be > 0 seconds")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from diffusers import DDPMScheduler
 
+from .checks import value_checks_enabled
 from .config import DiffusionConfig
 
 __all__ = ["PerFrameDiffusion"]
@@ -79,7 +80,9 @@ class PerFrameDiffusion:
         if levels.dtype.is_floating_point or levels.dtype == torch.bool:
             raise TypeError(f"noise levels must be an integer tensor, got dtype {levels.dtype}")
         levels = levels.long()
-        if levels.numel() and (int(levels.min()) < 0 or int(levels.max()) > self.num_levels):
+        # A range check reads values back to the host: a device sync on a GPU (see arvdm.checks).
+        if levels.numel() and value_checks_enabled(levels) and \
+                (int(levels.min()) < 0 or int(levels.max()) > self.num_levels):
             raise ValueError(f"noise levels must lie in 0..K={self.num_levels}; got min {int(levels.min())}, "
                              f"max {int(levels.max())}")
         return levels
@@ -145,7 +148,9 @@ class PerFrameDiffusion:
         with x0, ε from the v-prediction. ``eta = 0`` is deterministic DDIM; ``eta = 1`` is the DDPM
         posterior q(x_b | x_a, x0) (for b = a − 1 exactly DDPM's ancestral step, "fixed_small" variance).
         Frames with b = a stay exactly as they are (mean = x_t, σ = 0) — a schedule row may hold some frames
-        still; b = 0 gives the predicted clean frame (σ = 0). Raises ValueError when some b > a.
+        still; b = 0 gives the predicted clean frame (σ = 0). Raises ValueError when some b > a or a level
+        is outside 0..K — value checks, run on CPU tensors or under ``ARVDM_DEBUG_CHECKS=1`` (they would
+        cost a host-device sync per call on a GPU; see :mod:`arvdm.checks`).
 
         Args:
             x_t, v: (B, T, C, H, W) window and the model's v-prediction for it.
@@ -163,16 +168,18 @@ class PerFrameDiffusion:
             raise ValueError(f"from_levels {tuple(from_levels.shape)} and to_levels {tuple(to_levels.shape)} "
                              "must have the same shape")
         up = to_levels > from_levels
-        if up.any():
+        if value_checks_enabled(up) and up.any():  # a value check: see arvdm.checks
             idx = tuple(int(i) for i in up.nonzero()[0])
             raise ValueError(f"transition only denoises: to_levels{list(idx)} = {int(to_levels[idx])} > "
                              f"from_levels{list(idx)} = {int(from_levels[idx])}")
-        ab_a, ab_b = self.alpha_bar(from_levels), self.alpha_bar(to_levels)  # float64, (B, T)
-        x0 = self.pred_x0(x_t, v, from_levels)
+        table = self._table(from_levels.device)
+        ab_a, ab_b = table[from_levels], table[to_levels]  # float64, (B, T); levels checked above
+        # x0 and ε from the v-prediction (Salimans & Ho 2022, App. D), with ᾱ_a looked up once.
+        sa, sa1 = self._coef(ab_a.sqrt(), x_t), self._coef((1 - ab_a).sqrt(), x_t)
+        x0 = sa * x_t - sa1 * v
+        eps = sa1 * x_t + sa * v  # from the raw v even when x0 is clipped, as diffusers' DDIM does
         if self.clip_x0:
             x0 = x0.clamp(-1.0, 1.0)
-        # ε comes from the raw v even when x0 is clipped, as in diffusers' DDIM (use_clipped_model_output=False).
-        eps = self.pred_eps(x_t, v, from_levels)
         moving = to_levels < from_levels
         # Eq. 16. Guard 1 − ᾱ_a = 0 (a = 0, then b = a = 0 too and the frame does not move).
         var = torch.where(moving, (1 - ab_b) / (1 - ab_a).clamp_min(1e-300) * (1 - ab_a / ab_b),

@@ -52,6 +52,7 @@ from einops import rearrange
 
 import kernels
 from arvdm.checkpoint import CheckpointError
+from arvdm.checks import value_checks_enabled
 from arvdm.config import Config, ConfigError
 from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy, build_compressor
 from memory.compress import sinusoidal
@@ -546,7 +547,9 @@ class Denoiser(nn.Module):
             raise DenoiserError(f"{name} must be (B, T) = {shape}, got {tuple(actions.shape)}")
         if actions.is_floating_point() or actions.dtype == torch.bool:
             raise DenoiserError(f"{name} must be integer (int64), got {actions.dtype}")
-        if actions.numel() and (int(actions.min()) < 0 or int(actions.max()) >= self.null_action):
+        # value checks read the tensor back to the host: CPU / debug only (arvdm.checks)
+        if actions.numel() and value_checks_enabled(actions) and (int(actions.min()) < 0
+                                                                   or int(actions.max()) >= self.null_action):
             raise DenoiserError(f"{name} must be in 0..{self.null_action - 1} (model.num_actions="
                                 f"{self.null_action}), got {int(actions.min())}..{int(actions.max())}")
 
@@ -559,7 +562,7 @@ class Denoiser(nn.Module):
         if tuple(levels.shape) != (b, t) or levels.is_floating_point():
             raise DenoiserError(f"levels must be integer (B, T) = {(b, t)}, got {tuple(levels.shape)} "
                                 f"{levels.dtype}")
-        if int(levels.min()) < 0 or int(levels.max()) > self.num_levels:
+        if value_checks_enabled(levels) and (int(levels.min()) < 0 or int(levels.max()) > self.num_levels):
             raise DenoiserError(f"levels must be in 0..{self.num_levels} (diffusion.num_levels), got "
                                 f"{int(levels.min())}..{int(levels.max())}")
         self._check_actions(actions, (b, t), "actions")

@@ -91,6 +91,7 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
                          f"num_levels={diffusion.num_levels}")
     if hasattr(model, "check_schedule"):
         model.check_schedule(schedule.delta, schedule.window)
+    _check_action_range(model, context_actions, actions[:, :n_frames])  # once per rollout, not per call
     chunk = _frames_per_chunk(model)
     if n_ctx % chunk:
         raise ValueError(f"context has {n_ctx} frames; the model commits whole chunks, so it must be a multiple "
@@ -129,12 +130,15 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
     record: list[RolloutStep] = []
     x = _randn((b, w, *shape), generator, device, dtype)  # the window starts at level K: pure noise
 
-    def run_rows(rows: torch.Tensor, stage: str, ar_step: int, offset: int) -> torch.Tensor:
+    # Per-call levels as (B, w) views of one (rows, B, w) tensor per matrix: built once, not once per call.
+    S_b = S.unsqueeze(1).expand(-1, b, -1)  # (M+1, B, w)
+    init_b = init.unsqueeze(1).expand(-1, b, -1)  # (M_init+1, B, w)
+
+    def run_rows(rows: torch.Tensor, rows_b: torch.Tensor, stage: str, ar_step: int, offset: int) -> torch.Tensor:
         nonlocal x
         win_actions = acts[:, offset:offset + w]  # (B, w)
         for m in range(rows.shape[0] - 1):
-            lv_from = rows[m].unsqueeze(0).repeat(b, 1)  # (B, w)
-            lv_to = rows[m + 1].unsqueeze(0).repeat(b, 1)
+            lv_from, lv_to = rows_b[m], rows_b[m + 1]  # (B, w) each
             v = call(x, lv_from, win_actions)  # (B, w, ch, H, W)
             z = _randn(x.shape, generator, device, dtype) if eta > 0 else None
             x_new = diffusion.step(x, v, lv_from, lv_to, eta, noise=z)
@@ -148,11 +152,11 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
     bar = tqdm(total=n_frames, unit="frame", desc=f"rollout ({schedule.name})", disable=not progress,
                leave=False)
     try:
-        run_rows(init, "init", -1, 0)
+        run_rows(init, init_b, "init", -1, 0)
         emitted = 0
         for a in range(n_steps):
             offset = a * delta
-            run_rows(S, "ar", a, offset)
+            run_rows(S, S_b, "ar", a, offset)
             done = x[:, :delta]  # (B, Δ, ...): level 0 by the 0-T boundary t^O[0:Δ] = 0
             out.append(done)
             bar.update(min(delta, n_frames - emitted))
@@ -182,6 +186,19 @@ def _check_inputs(context: torch.Tensor, context_actions: torch.Tensor, actions:
     if actions.dtype.is_floating_point or context_actions.dtype.is_floating_point:
         raise TypeError("actions must be integer tensors")
     return b, n_ctx
+
+
+def _check_action_range(model: Any, *action_tensors: torch.Tensor) -> None:
+    """Actions in 0..num_actions-1 of the model's config: a value check, so it runs here at the API boundary
+    (one host read per rollout) and not inside the model's per-call forward."""
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    n_actions = getattr(getattr(cfg, "model", None), "num_actions", None)
+    if not isinstance(n_actions, int):
+        return
+    for name, a in zip(("context_actions", "actions"), action_tensors):
+        if a.numel() and (int(a.min()) < 0 or int(a.max()) >= n_actions):
+            raise ValueError(f"{name} must be in 0..{n_actions - 1} (model.num_actions={n_actions}), got "
+                             f"{int(a.min())}..{int(a.max())}")
 
 
 def _model_config(model: Any) -> Any:

@@ -62,6 +62,7 @@ class SampleSettings:
     device: str = "auto"
     progress: bool = True
     hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
+    compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
 
     def validate(self) -> SampleSettings:
         """Check every setting before any work starts; errors name the sample.py flag."""
@@ -93,6 +94,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     model, cfg = load_for_inference(run_dir, use_ema=settings.use_ema, device=device)
     model, _ = wrap_for_sampling(model, cfg, run_dir, settings.hybrid)  # lazy layers stream when asked
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
+    if settings.compile:
+        model = compile_for_sampling(model)
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps)
     model.check_schedule(schedule.delta, schedule.window)
@@ -150,6 +153,17 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
             "config": cfg.to_dict(), **({"hybrid": summary["hybrid"]} if "hybrid" in summary else {})})
         summary["max_psnr_decay"] = result["max_psnr_decay"]
     return {"paths": {k: str(v) for k, v in paths.items()}, "summary": summary}
+
+
+def compile_for_sampling(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile`` the denoiser's forward for rollouts; ``init_state``/``commit`` stay eager.
+
+    The returned module forwards attribute access to the model, so ``pipeline.rollout`` takes it as is.
+    Window shapes are static per schedule (every call has (B, w) levels); the memory / KV-cache length
+    grows until the retention policy caps it, and dynamo's automatic dynamic shapes mark it dynamic after
+    its first change, so a rollout compiles a handful of graphs, not one per frame.
+    """
+    return torch.compile(model)
 
 
 def _strip_frames(context: int, total: int) -> list[int]:

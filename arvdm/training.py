@@ -184,8 +184,10 @@ def make_dataset(cfg: Config, split: str, n_frames: int, random_start: bool = Tr
         raise TrainingError(f"no data: {root} does not exist (data.path must hold training/ and validation/; "
                             f"run `python train.py` without --data to generate the stand-in, or "
                             f"`python -m data.generate memory_maze --out {root}`)")
+    # uint8 clips: the loader only slices bytes; Trainer._to_device converts them on the device.
     ds = ClipDataset(root / split, n_frames, frame_skip=cfg.data.frame_skip, random_start=random_start,
-                     resize=cfg.data.resize, skip_bad=cfg.data.skip_bad_files, progress=progress)
+                     resize=cfg.data.resize, skip_bad=cfg.data.skip_bad_files, progress=progress,
+                     video_dtype="uint8")
     h, w = ds.frame_size
     if (h, w) != (cfg.model.image_size, cfg.model.image_size):
         raise TrainingError(
@@ -299,7 +301,8 @@ class Trainer:
         self.device = self.dist.device
         tc = cfg.train
         self.m, self.w, self.K = cfg.memory.length, tc.window, cfg.diffusion.num_levels
-        self.global_batch = tc.batch_size * self.dist.world_size
+        # One optimizer step takes grad_accum micro-batches of batch_size clips on every rank.
+        self.global_batch = tc.batch_size * self.dist.world_size * tc.grad_accum
 
         ckpt = latest_checkpoint(self.run_dir)
         if resume and ckpt is None:
@@ -348,28 +351,56 @@ class Trainer:
         if resume:
             self._load(ckpt)
 
-        self.net = self.model
+        # torch.compile first, then DDP (as nanoGPT does); `unwrap` finds the plain module under both.
+        self.net = torch.compile(self.model) if tc.compile else self.model
         if self.dist.enabled:
             self.net = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
+                self.net, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
                 find_unused_parameters=tc.find_unused_parameters)
         use_bf16 = tc.bf16 and self.device.type == "cuda"
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 \
             else contextlib.nullcontext
 
     # -- one step ------------------------------------------------------------------------------------
-    def train_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.net.train()
-        video = batch["video"].to(self.device, non_blocking=True)  # (B, m+w, C, H, W)
-        actions = batch["actions"].to(self.device, non_blocking=True)  # (B, m+w)
+    def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on one batch, or on a list of micro-batches (gradient accumulation).
+
+        The objective is Σ loss / Σ counted frames over every micro-batch and rank, so N micro-batches of b
+        clips give exactly the loss and gradients of one batch of N·b (a mean of per-micro-batch means
+        would not: each micro-batch counts a different number of noisy frames). Each micro-batch's sum is
+        back-propagated as it comes (activations of one micro-batch at a time); the gradients are divided
+        by the total count at the end, on the device, so the step reads nothing back to the host.
+        """
+        micro_batches = batch if isinstance(batch, list) else [batch]
         tc = self.cfg.train
-        total, count = diffusion_forcing_loss(self.net, self.diffusion, video, actions, self.m, self.K,
-                                              self.generator, self.autocast, tc.loss_weight, tc.min_snr_gamma)
-        loss = total / count.clamp(min=1)
+        self.net.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total_sum = torch.zeros((), device=self.device)
+        count_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro_batches):
+            video, actions = self._to_device(mb)  # (b, m+w, C, H, W) float in [-1, 1], (b, m+w)
+            # DDP all-reduces the gradients on the last micro-batch only.
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
+            with sync:
+                total, count = diffusion_forcing_loss(self.net, self.diffusion, video, actions, self.m, self.K,
+                                                      self.generator, self.autocast, tc.loss_weight,
+                                                      tc.min_snr_gamma)
+                total.backward()
+            total_sum += total.detach().float()
+            count_sum += count.detach().float()
+        grad_scale = 1.0 / count_sum.clamp(min=1)
+        if self.dist.enabled:  # DDP averaged the per-rank gradient sums: scale by world / Σ counts of all ranks
+            sums = torch.stack([total_sum, count_sum])
+            torch.distributed.all_reduce(sums)
+            total_sum, count_sum = sums[0], sums[1]
+            grad_scale = self.dist.world_size / count_sum.clamp(min=1)
         if self.step == self._start_step:
             self._check_all_parameters_used()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, grad_scale)  # Σ-loss gradients -> gradients of the mean loss
+        loss = total_sum / count_sum.clamp(min=1)
         # Gradients are already averaged over ranks here, so every rank clips by the same norm.
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else
@@ -391,6 +422,12 @@ class Trainer:
                                 f"{', '.join(unused[:3])}): with memory.structure={self.cfg.memory.structure} and "
                                 f"memory.compressor={self.cfg.memory.compressor} the loss does not use them; "
                                 f"set train.find_unused_parameters=true to train anyway")
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A collated batch on the device: video float (B, T, C, H, W) in [-1, 1] (uint8 converted there), actions."""
+        from data.dataset import to_float_video
+
+        video = to_float_video(batch["video"].to(self.device, non_blocking=True))
+        return video, batch["actions"].to(self.device, non_blocking=True)
 
     # -- the loop --------------------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> Path | None:
@@ -418,7 +455,7 @@ class Trainer:
                        f"{self.global_batch}, run folder {self.run_dir}")
         while self.step < tc.max_steps:
             t0 = time.perf_counter()
-            loss, gnorm = self.train_step(next(batches))
+            loss, gnorm = self.train_step([next(batches) for _ in range(tc.grad_accum)])
             self.elapsed += time.perf_counter() - t0
             loss_sum += loss
             loss_n += 1
@@ -475,8 +512,9 @@ class Trainer:
         for j in range(self.dist.rank, len(batches), self.dist.world_size):
             batch = _collate([self.val_ds[i] for i in batches[j]])
             g = torch.Generator(device=self.device).manual_seed(_mix(tc.seed, "val", j))
-            total, cnt = diffusion_forcing_loss(unwrap(model), self.diffusion, batch["video"].to(self.device),
-                                                batch["actions"].to(self.device), self.m, self.K, g, self.autocast)
+            video, actions = self._to_device(batch)
+            total, cnt = diffusion_forcing_loss(unwrap(model), self.diffusion, video, actions, self.m, self.K, g,
+                                                self.autocast)
             sums += torch.stack([total.double(), cnt.double()])
         if self.dist.enabled:
             dist.all_reduce(sums)
@@ -508,7 +546,7 @@ class Trainer:
             return None
         picks = [round(i * len(ds) / SAMPLE_CLIPS) for i in range(min(SAMPLE_CLIPS, len(ds)))]
         batch = _collate([ds[i] for i in picks])
-        video, actions = batch["video"].to(self.device), batch["actions"].to(self.device)
+        video, actions = self._to_device(batch)
         schedule = get_schedule("chunked", self.w, self.K, SAMPLE_STEPS)
         g = torch.Generator(device=self.device).manual_seed(_mix(self.cfg.train.seed, "sample"))
         fake = rollout(self.ema.model, self.diffusion, schedule, video[:, :ctx], actions[:, :ctx],

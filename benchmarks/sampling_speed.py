@@ -120,8 +120,8 @@ def warm_up(model: Denoiser, ctx: torch.Tensor, ctx_act: torch.Tensor, w: int) -
 def part1_throughput(args, models, cfg, diffusion) -> None:
     w = cfg.train.window
     ctx, ctx_act, act = make_inputs(cfg, args.context, args.frames, args.seed)
-    configs = [(name, ret) for name in ("chunked", "fifo") for ret in ("last", "all")]
-    scheds = {name: get_schedule(name, w, cfg.diffusion.num_levels, steps=args.steps) for name in ("chunked", "fifo")}
+    configs = [(name, ret) for name in args.schedules for ret in args.retentions]
+    scheds = {name: get_schedule(name, w, cfg.diffusion.num_levels, steps=args.steps) for name in args.schedules}
     ls = Lockstep()
 
     def go(name: str, ret: str, use_cache: bool, n: int = args.frames, context: torch.Tensor = ctx):
@@ -129,7 +129,7 @@ def part1_throughput(args, models, cfg, diffusion) -> None:
                                eta=args.eta, generator=torch.Generator().manual_seed(args.seed + 1),
                                use_cache=use_cache, progress=False)
 
-    for ret in ("last", "all"):  # warm-up: one window call per path and a commit, untimed
+    for ret in args.retentions:  # warm-up: one window call per path and a commit, untimed
         warm_up(models[ret], ctx, ctx_act, w)
     fns = {(name, ret, mode): go(name, ret, mode == "cache")
            for name, ret in configs for mode in ("cache", "recompute")}
@@ -152,15 +152,16 @@ def part1_throughput(args, models, cfg, diffusion) -> None:
         rows.append([name, scheds[name].delta, mem, f"{fc:.2f}", f"{fr:.2f}", f"{fc / fr:.2f}x", f"{diff:.1e}"])
     print_table(["schedule", "delta", "retention", "cache fr/s", "recompute fr/s", "speedup", "max|diff|"], rows,
                 title=f"\n[1] throughput: {args.frames} frames after {args.context} context frames, median of "
-                      f"{args.repeats} (the 8 rollouts run in lockstep, switching at every model call)")
+                      f"{args.repeats} (the {len(fns)} rollouts run in lockstep, switching at every model call)")
     print("max|diff| = cached vs recomputed output: equal up to fp32 rounding for `all`; for `last` they differ by "
           "design (a cached frame's K/V were computed while since-evicted frames were still visible)", flush=True)
     # not vacuous: the past changes what is generated (same seed, context negated)
     n = min(args.frames, 2 * w)
-    flipped = go("chunked", "all", True, n=n, context=-ctx)()
-    base = outs[("chunked", "all", "cache")][:, :n]
+    name, ret = configs[0]
+    flipped = go(name, ret, True, n=n, context=-ctx)()
+    base = outs[(name, ret, "cache")][:, :n]
     print(f"past matters: max|rollout(context) - rollout(-context)| = {(base - flipped).abs().max().item():.2f} "
-          f"(chunked, all, first {n} frames)", flush=True)
+          f"({name}, {ret}, first {n} frames)", flush=True)
 
 
 def part2_flat(args, models, cfg, diffusion) -> None:
@@ -300,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-repeats", type=int, default=None,
                    help="part 2b: same-moment AR steps timed per state (default 30; quick 5)")
     p.add_argument("--skip", choices=("1", "2"), default=None, help="skip part 1 or part 2")
+    p.add_argument("--schedules", nargs="+", default=["chunked", "fifo"], choices=["chunked", "fifo"],
+                   help="part 1: schedules to compare (default both)")
+    p.add_argument("--retentions", nargs="+", default=["last", "all"], choices=["last", "all"],
+                   help="part 1: retentions to compare (default both; `last` = memory.length frames)")
     args = p.parse_args(argv)
     q = args.quick
     args.frames = args.frames or (16 if q else 32)

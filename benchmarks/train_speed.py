@@ -1,13 +1,17 @@
-"""Training throughput: steps/s and frames/s of the diffusion-forcing step for a preset.
+"""Training throughput: steps/s, frames/s and MFU of the diffusion-forcing step, eager vs torch.compile.
 
-    python benchmarks/train_speed.py                          # tiny, on this machine's CPU
-    python benchmarks/train_speed.py --set data.resize=32 --set model.image_size=32 --set model.patch_size=4
-    python benchmarks/train_speed.py --preset paper --device cuda
+    python benchmarks/train_speed.py                          # tiny, on this machine's CPU, eager vs compiled
+    python benchmarks/train_speed.py --modes eager            # eager only (no compile time)
+    python benchmarks/train_speed.py --preset paper --device cuda --peak-tflops 989   # bf16 on an H100/H200
 
-A few warm-up steps, then timed steps of the real Trainer (data loading, forward, backward, AdamW,
-EMA). Without --data it times on a small synthetic data set in a temporary folder (random frames: the
-cost of a step does not depend on the pixels). frames/s counts window frames (the ones with a loss):
-batch_size x window per step; memory frames are extra input on top.
+Each mode is the real Trainer's `train_step` (forward, backward, AdamW, EMA; bf16 autocast on CUDA when
+train.bf16) on a few batches of a small synthetic data set, loaded once and cycled (the cost of a step does
+not depend on the pixels; the loader is measured by benchmarks/data_throughput.py). Warm-up steps (where
+torch.compile compiles) are untimed; then the modes take turns, `--steps` steps per turn for `--rounds`
+rounds, and each reports its median turn, so load on a shared machine hits both alike. FLOPs per step are
+counted once with torch.utils.flop_counter (matmuls, convolutions, attention; forward + backward), which
+gives achieved TFLOP/s and, with --peak-tflops (or a known GPU), MFU. frames/s counts window frames
+(the ones with a loss): batch_size x window per step; memory frames are extra input on top.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
 
 import argparse
+import copy
+import statistics
 import sys
 import tempfile
 import time
@@ -24,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arvdm.config import apply_overrides, get_preset
@@ -44,48 +51,113 @@ def synthetic_data(root: Path, cfg, episodes: int = 4) -> Path:
     return root
 
 
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense, no sparsity
+
+
+def peak_tflops(device: torch.device, given: float | None) -> float | None:
+    if given:
+        return given
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+def count_step_flops(trainer: Trainer, batch: dict) -> int:
+    """FLOPs of one training step's forward + backward (the optimizer's elementwise work is not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from arvdm.training import diffusion_forcing_loss
+
+    model = trainer.model  # eager, whatever the mode: dynamo-compiled graphs hide their ops from the counter
+    g = torch.Generator(device=trainer.device).manual_seed(0)
+    with FlopCounterMode(display=False) as counter:
+        video, actions = trainer._to_device(batch)
+        total, count = diffusion_forcing_loss(model, trainer.diffusion, video, actions, trainer.m, trainer.K, g,
+                                              trainer.autocast)
+        (total / count.clamp(min=1)).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--data", help="a real data set (default: synthetic frames in a temp folder)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (compilation happens here)")
+    p.add_argument("--steps", type=int, default=5, help="steps per turn")
+    p.add_argument("--rounds", type=int, default=3, help="turns per mode")
     p.add_argument("--device", default=None)
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak (bf16) TFLOP/s, for MFU")
     args = p.parse_args()
 
-    cfg = apply_overrides(get_preset(args.preset), args.overrides)
+    base = apply_overrides(get_preset(args.preset), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg.data.path = args.data or str(synthetic_data(Path(tmp) / "data", cfg))
-        cfg.train.max_steps = args.warmup + args.steps + 1
-        cfg.train.val_every = cfg.train.sample_every = 0
-        cfg.train.ckpt_every = 10 ** 9
-        trainer = Trainer(cfg.validate(), Path(tmp) / "run", device=args.device)
-        loader = torch.utils.data.DataLoader(trainer.train_ds, batch_sampler=trainer.sampler,
-                                             collate_fn=lambda items: {
-                                                 "video": torch.stack([i["video"] for i in items]),
-                                                 "actions": torch.stack([i["actions"] for i in items])},
-                                             num_workers=cfg.data.num_workers)
-        batches = iter(loader)
-        for _ in range(args.warmup):
-            trainer.train_step(next(batches))
-        sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            loss, _ = trainer.train_step(next(batches))
-        loss.item()
-        sync()
-        dt = time.perf_counter() - t0
-    sps = args.steps / dt
+        base.data.path = str(synthetic_data(Path(tmp) / "data", base))
+        base.train.max_steps = 10 ** 9
+        base.train.val_every = base.train.sample_every = 0
+        base.train.ckpt_every = 10 ** 9
+        trainers = {}
+        for mode in args.modes:
+            cfg = apply_overrides(copy.deepcopy(base), [f"train.compile={'true' if mode == 'compiled' else 'false'}"])
+            trainers[mode] = Trainer(cfg.validate(), Path(tmp) / f"run_{mode}", device=args.device)
+        first = next(iter(trainers.values()))
+        loader = torch.utils.data.DataLoader(first.train_ds, batch_sampler=first.sampler, collate_fn=_collate)
+        batches = [next(iter(loader)) for _ in range(2)]
+        dev = first.device
+        batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        warm = {}
+        for mode, trainer in trainers.items():
+            t0 = time.perf_counter()
+            for i in range(args.warmup):
+                loss, _ = trainer.train_step(batches[i % 2])
+            loss.item()
+            warm[mode] = time.perf_counter() - t0
+        turns: dict[str, list[float]] = {mode: [] for mode in trainers}
+        for _ in tqdm(range(args.rounds), desc="rounds", leave=False):
+            for mode, trainer in trainers.items():
+                sync()
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    loss, _ = trainer.train_step(batches[i % 2])
+                loss.item()
+                sync()
+                turns[mode].append((time.perf_counter() - t0) / args.steps)
+        flops = count_step_flops(first, batches[0])
+    cfg = base
+    n_params = sum(p.numel() for p in first.model.parameters())
+    peak = peak_tflops(dev, args.peak_tflops)
     frames = cfg.train.batch_size * cfg.train.window
-    n_params = sum(p.numel() for p in trainer.model.parameters())
     print(f"preset {cfg.preset} {' '.join(args.overrides)}".strip())
-    print(f"  device {trainer.device}, torch threads {torch.get_num_threads()}, "
+    print(f"  device {dev}{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, torch threads "
+          f"{torch.get_num_threads()}, bf16 autocast {cfg.train.bf16 and dev.type == 'cuda'}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     print(f"  {n_params / 1e6:.2f}M params, {cfg.model.image_size}px, patch {cfg.model.patch_size}, batch "
-          f"{cfg.train.batch_size} x ({cfg.memory.length} memory + {cfg.train.window} window) frames")
-    print(f"  {sps:.2f} steps/s, {sps * frames:.1f} frames/s ({args.steps} timed steps after {args.warmup} warm-up)")
+          f"{cfg.train.batch_size} x ({cfg.memory.length} memory + {cfg.train.window} window) frames, "
+          f"{flops / 1e9:.2f} GFLOP per step (forward + backward, counted)")
+    rows = []
+    for mode in trainers:
+        step_s = statistics.median(turns[mode])
+        sps = 1.0 / step_s
+        achieved = flops * sps / 1e12
+        rows.append([mode, f"{warm[mode]:.1f}", f"{sps:.3f}", f"{sps * frames:.1f}", f"{achieved:.4g}",
+                     f"{100 * achieved / peak:.1f}%" if peak else "n/a"])
+    print(f"{'mode':<9} {'warm-up s':>9} {'steps/s':>8} {'frames/s':>9} {'TFLOP/s':>8} {'MFU':>6}")
+    for r in rows:
+        print(f"{r[0]:<9} {r[1]:>9} {r[2]:>8} {r[3]:>9} {r[4]:>8} {r[5]:>6}")
+    if len(trainers) == 2:
+        e, c = (statistics.median(turns[m]) for m in ("eager", "compiled"))
+        print(f"compiled / eager speed: {e / c:.2f}x (median of {args.rounds} alternating turns of {args.steps} steps)")
+    if peak:
+        print(f"  MFU against {peak:g} TFLOP/s peak")
+
+
+def _collate(items):
+    return {"video": torch.stack([i["video"] for i in items]), "actions": torch.stack([i["actions"] for i in items])}
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from .episodes import EpisodeError, atomic_write, read_actions_pose, read_frames, read_header
+from .episodes import EpisodeError, atomic_write, open_video_memmap, read_actions_pose, read_frames, read_header
 
 INDEX_FILE = ".arvdm_index.json"
 INDEX_VERSION = 1
@@ -133,6 +134,13 @@ def build_index(split_dir: Path, progress: bool = True) -> tuple[list[Path], lis
     return paths, entries, persisted
 
 
+def to_float_video(video: torch.Tensor) -> torch.Tensor:
+    """uint8 frames in [0, 255] -> float32 in [-1, 1] (on the tensor's device); float input passes through."""
+    if video.dtype != torch.uint8:
+        return video
+    return video.float().div_(127.5).sub_(1.0)
+
+
 class ClipDataset(Dataset):
     """Clips of `n_frames` frames (every `frame_skip`-th frame) from the episodes in `split_dir`.
 
@@ -143,6 +151,12 @@ class ClipDataset(Dataset):
         random_start: index every valid start (for random sampling) instead of consecutive clips.
         resize: if > 0, resize frames to resize x resize (bilinear, antialiased).
         skip_bad: drop bad episode files with a warning instead of raising.
+        video_dtype: "float32" (the item's video in [-1, 1]) or "uint8" (the raw [0, 255] bytes as a (T, C, H, W)
+            view, 4x less to collate and copy to the device; convert there with `to_float_video`). The
+            float conversion is most of a stored clip's reading cost on the CPU.
+        mmap: read stored (uncompressed) npz videos through a memory map, kept open per process for the
+            last ``OPEN_EPISODES`` episodes with their actions and poses (no zip parsing per clip).
+            Compressed npz and mp4 are read as before.
 
     Item: ``video`` float32 (T, C, H, W) in [-1, 1], ``actions`` int64 (T,), ``pose`` float32 (T, 3)
     (only when every episode has a pose), ``episode`` int (index into ``self.episodes``), ``start`` int
@@ -150,7 +164,8 @@ class ClipDataset(Dataset):
     """
 
     def __init__(self, split_dir, n_frames: int, frame_skip: int = 1, random_start: bool = True,
-                 resize: int = 0, skip_bad: bool = False, progress: bool = True):
+                 resize: int = 0, skip_bad: bool = False, progress: bool = True, mmap: bool = True,
+                 video_dtype: str = "float32"):
         if n_frames < 1:
             raise DatasetError(f"n_frames must be >= 1, got {n_frames}")
         if frame_skip < 1:
@@ -159,7 +174,10 @@ class ClipDataset(Dataset):
             raise DatasetError(f"resize must be >= 0, got {resize}")
         self.split_dir = resolve_split(split_dir)
         self.n_frames, self.frame_skip, self.random_start = n_frames, frame_skip, random_start
-        self.resize = resize
+        if video_dtype not in ("float32", "uint8"):
+            raise DatasetError(f"video_dtype must be 'float32' or 'uint8', got {video_dtype!r}")
+        self.resize, self.mmap, self.video_dtype = resize, mmap, video_dtype
+        self._open: OrderedDict[int, tuple] = OrderedDict()  # episode -> (video map | None, actions, pose)
         self.span = (n_frames - 1) * frame_skip + 1  # raw frames one clip covers
 
         # index_persisted: False when the folder is read-only and the index lives in memory only
@@ -210,17 +228,50 @@ class ClipDataset(Dataset):
         within = index - (int(self._ends[episode - 1]) if episode else 0)
         return episode, within if self.random_start else within * self.span
 
+    OPEN_EPISODES = 128  # memory maps (one file descriptor each) and small arrays kept per process
+
+    def _episode(self, episode: int) -> tuple[np.memmap | None, np.ndarray, np.ndarray | None]:
+        """(video memory map or None, actions, pose) of an episode, from a small per-process LRU."""
+        if episode in self._open:
+            self._open.move_to_end(episode)
+            return self._open[episode]
+        path = self.episodes[episode]
+        entry = (open_video_memmap(path), *read_actions_pose(path))
+        self._open[episode] = entry
+        if len(self._open) > self.OPEN_EPISODES:
+            self._open.popitem(last=False)
+        return entry
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers get the dataset pickled (spawn) or forked: open maps stay with their process.
+        state = self.__dict__.copy()
+        state["_open"] = OrderedDict()
+        return state
+
     def __getitem__(self, index: int) -> dict:
         episode, start = self.locate(int(index))
         path = self.episodes[episode]
         stop = start + self.span
-        frames = np.array(read_frames(path, start, stop)[:: self.frame_skip])  # (T, H, W, 3) uint8, writable
-        actions, pose = read_actions_pose(path)
-        video = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()  # (T, C, H, W) uint8: cheap copy
-        video = video.float().div_(127.5).sub_(1.0)  # [0, 255] -> [-1, 1]
-        if self.resize and tuple(video.shape[-2:]) != (self.resize, self.resize):
+        if self.mmap:
+            video_map, actions, pose = self._episode(episode)
+        else:
+            video_map, (actions, pose) = None, read_actions_pose(path)
+        if video_map is not None:
+            if stop > video_map.shape[0]:
+                raise EpisodeError(path, f"frames {start}..{stop - 1} requested but 'video' has "
+                                         f"{video_map.shape[0]} frames (file changed since it was indexed?)")
+            frames = np.array(video_map[start:stop:self.frame_skip])  # (T, H, W, 3) uint8: copies the frames
+        else:
+            frames = np.array(read_frames(path, start, stop)[:: self.frame_skip])  # (T, H, W, 3) uint8, writable
+        video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (T, C, H, W) uint8 view
+        resize = self.resize and tuple(video.shape[-2:]) != (self.resize, self.resize)
+        if self.video_dtype == "float32" or resize:
+            video = to_float_video(video)  # (T, C, H, W) in [-1, 1]
+        if resize:
             video = F.interpolate(video, size=(self.resize, self.resize), mode="bilinear",
                                   antialias=True, align_corners=False).clamp_(-1.0, 1.0)
+            if self.video_dtype == "uint8":  # resized frames stored at 8 bits, as a data set made at that size
+                video = video.add_(1.0).mul_(127.5).round_().to(torch.uint8)
         item = {"video": video,
                 "actions": torch.from_numpy(actions[start:stop:self.frame_skip].copy()),
                 "episode": episode, "start": start}

@@ -421,6 +421,23 @@ def read_frames(path, start: int, stop: int) -> np.ndarray:
         return np.frombuffer(buf, dtype=v.dtype).reshape((n,) + frame_shape)
 
 
+def open_video_memmap(path) -> np.memmap | None:
+    """A read-only memory map of an episode's ``video`` (T, H, W, 3) uint8, or None when it cannot be mapped.
+
+    Only stored (uncompressed, ``write_episode(..., compress=False)`` / ``data.generate --no-compress``) npz
+    members can be mapped: their bytes sit contiguously in the file. Slicing the map reads just those
+    frames, through the OS page cache, with no zip parsing per read. Compressed members and mp4 give None.
+    """
+    path = Path(path)
+    if path.suffix.lower() != ".npz":
+        return None
+    with _open_zip(path) as zf:
+        v = _npz_members(path, zf).get("video")
+    if v is None or v.compressed or v.fortran_order:
+        return None
+    return np.memmap(path, dtype=v.dtype, mode="r", offset=v.data_offset, shape=v.shape)
+
+
 def read_actions_pose(path) -> tuple[np.ndarray, np.ndarray | None]:
     """The small arrays of an episode: actions (T,) int64 and pose (T, 3) float32 or None."""
     path = Path(path)

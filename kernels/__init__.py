@@ -1,4 +1,4 @@
-"""Attention kernels: chunked temporal attention (Triton on CUDA, a PyTorch reference elsewhere).
+"""Attention kernels: chunked temporal attention (a PyTorch reference; a Triton kernel, opt-in on CUDA).
 
 Public API::
 

@@ -13,6 +13,11 @@ from .reference import reference_attention
 __all__ = ["chunked_attention", "BACKEND_ENV_VAR", "resolve_backend"]
 
 BACKEND_ENV_VAR = "ARVDM_ATTENTION_BACKEND"
+# The compiled (non-interpreted) Triton kernel has not yet passed `TRITON_INTERPRET=0 pytest
+# tests/test_kernels_triton.py` on a GPU: until it has, "auto" takes the PyTorch path (SDPA with the mask)
+# on CUDA too and Triton is opt-in (backend="triton" or ARVDM_ATTENTION_BACKEND=triton). Set this to True
+# in the commit that records the passing GPU run (benchmarks/gpu_check.sh).
+TRITON_VERIFIED_ON_GPU = False
 _BACKENDS = ("auto", "triton", "reference")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -27,8 +32,10 @@ def _triton_module():
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
     """The backend that :func:`chunked_attention` will use for ``q``: "triton" or "reference".
 
-    ``backend="auto"`` picks Triton for CUDA tensors (when triton is importable, not in interpreter mode,
-    and the head dim is supported) and the reference otherwise; the environment variable
+    ``backend="auto"`` picks the reference (SDPA with the dense mask) on every device while
+    ``TRITON_VERIFIED_ON_GPU`` is False (the compiled kernel has only run under the interpreter); once it
+    is True, Triton for CUDA tensors (when triton is importable, not in interpreter mode, and the head dim
+    is supported) and the reference otherwise. The environment variable
     ``ARVDM_ATTENTION_BACKEND`` (auto | triton | reference) overrides "auto". An explicit "triton" or
     "reference" argument always wins. Forcing Triton on CPU tensors needs ``TRITON_INTERPRET=1`` set
     before triton is imported.
@@ -42,7 +49,7 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
         backend = env or "auto"
     D = q.shape[-1]
     if backend == "auto":
-        if not q.is_cuda:
+        if not q.is_cuda or not TRITON_VERIFIED_ON_GPU:
             return "reference"
         ta = _triton_module()
         # Under the interpreter the "kernel" is numpy on the host: never pick it silently for speed.
@@ -120,8 +127,8 @@ def chunked_attention(
         scale: score scale; default ``1 / sqrt(D)``.
         return_lse: also return the natural-log log-sum-exp of the scaled, masked scores, (B, H, Lq)
             fp32 (differentiable).
-        backend: "auto" (Triton on CUDA, else the reference; env ``ARVDM_ATTENTION_BACKEND`` overrides),
-            "triton" or "reference".
+        backend: "auto" (the reference until the Triton kernel is verified on a GPU, see
+            :func:`resolve_backend`; env ``ARVDM_ATTENTION_BACKEND`` overrides), "triton" or "reference".
 
     Returns:
         out (B, H, Lq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.

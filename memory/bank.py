@@ -25,12 +25,15 @@ class MemoryFrames:
         positions: (m,) int64 absolute frame indices, ascending; `None` means `0..m-1`. The window that
             follows starts at `positions[-1] + 1` (or at m), which fixes the temporal (RoPE) distances.
         poses: optional (B, m, P) float poses (for evaluation; the model ignores them).
+        next_index: the window's start as a Python int, when the caller knows it (the bank does): then
+            `window_start` need not read `positions[-1]` back from the device (a host-device sync per call).
     """
 
     frames: torch.Tensor
     actions: torch.Tensor
     positions: torch.Tensor | None = None
     poses: torch.Tensor | None = None
+    next_index: int | None = None
 
     def __len__(self) -> int:
         return self.frames.shape[1]
@@ -38,6 +41,8 @@ class MemoryFrames:
     @property
     def window_start(self) -> int:
         """Absolute frame index of the first window frame that follows this memory."""
+        if self.next_index is not None:
+            return self.next_index
         if self.positions is None:
             return self.frames.shape[1]
         return int(self.positions[-1]) + 1 if self.positions.numel() else 0
@@ -68,6 +73,7 @@ class MemoryBank:
         self.actions: torch.Tensor | None = None  # (B, F)
         self.poses: torch.Tensor | None = None  # (B, F, P) or None
         self.positions: list[int] = []  # absolute index of each kept frame
+        self._positions_tensor: torch.Tensor | None = None  # `positions` on the frames' device, built once
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -99,6 +105,7 @@ class MemoryBank:
                 self.poses = torch.cat([self.poses, poses.detach()], dim=1)  # (B, F+n, P)
         self.positions += list(range(self.n_committed, self.n_committed + n))
         self.n_committed += n
+        self._positions_tensor = None
         self._evict()
 
     def _evict(self) -> None:
@@ -117,8 +124,10 @@ class MemoryBank:
         """The kept frames as `MemoryFrames` (with their absolute positions); None when empty."""
         if not self.positions:
             return None
-        pos = torch.tensor(self.positions, dtype=torch.long, device=self.frames.device)
-        return MemoryFrames(self.frames, self.actions, positions=pos, poses=self.poses)
+        if self._positions_tensor is None:  # one host-to-device copy per commit, not one per denoising call
+            self._positions_tensor = torch.tensor(self.positions, dtype=torch.long, device=self.frames.device)
+        return MemoryFrames(self.frames, self.actions, positions=self._positions_tensor, poses=self.poses,
+                            next_index=self.positions[-1] + 1)
 
     def nbytes(self) -> int:
         """Bytes held by the kept frames, actions and poses."""

@@ -42,13 +42,15 @@ LAUNCHER = textwrap.dedent("""
 
 
 @pytest.mark.slow  # two processes importing torch and training: ~35 s on a 2-core CPU
-def test_torchrun_two_cpu_ranks(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])  # 2: DDP's no_sync on the first micro-batch, one all-reduce
+def test_torchrun_two_cpu_ranks(tmp_path, grad_accum):
     data = write_episodes(tmp_path / "data", n_train=6)
     (tmp_path / "writes").mkdir()
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
     overrides = [a for o in TINY + ["train.max_steps=4", "train.ckpt_every=2", "train.val_every=2",
-                                    "train.val_batches=2", "train.sample_every=4"] for a in ("--set", o)]
+                                    "train.val_batches=2", "train.sample_every=4", f"train.grad_accum={grad_accum}"]
+                 for a in ("--set", o)]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", REPO=str(REPO),
                WRITES_DIR=str(tmp_path / "writes"), ARVDM_TEST_DUMP_WEIGHTS=str(tmp_path / "final"),
                OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
@@ -73,6 +75,6 @@ def test_torchrun_two_cpu_ranks(tmp_path):
     # The training state holds both ranks' noise generators, and they differ (each rank draws its own noise).
     state = torch.load(tmp_path / "run/checkpoints/step_0000004/state.pt", weights_only=True)
     assert len(state["rng"]) == 2 and not torch.equal(state["rng"][0]["noise"], state["rng"][1]["noise"])
-    assert state["data"] == {"position": 4 * 2 * 2, "dataset_len": state["data"]["dataset_len"],
+    assert state["data"] == {"position": 4 * 2 * 2 * grad_accum, "dataset_len": state["data"]["dataset_len"],
                              "batch_size": 2, "world_size": 2}
 

@@ -209,3 +209,26 @@ def test_scale_default_is_inverse_sqrt_head_dim():
     a = chunked_attention(q, k, v)
     b = chunked_attention(q, k, v, scale=1 / math.sqrt(16))
     assert torch.equal(a, b)
+
+
+def test_auto_takes_pytorch_path_on_cuda_until_triton_is_verified(monkeypatch):
+    """Until the compiled kernel has passed its tests on a GPU, "auto" never picks Triton; it is opt-in."""
+    from types import SimpleNamespace
+
+    from kernels import attention
+    from kernels import triton_attention as ta
+
+    q = SimpleNamespace(is_cuda=True, shape=(1, 1, 2, 64), dtype=torch.bfloat16)  # all resolve_backend reads
+    monkeypatch.delenv(kernels.BACKEND_ENV_VAR, raising=False)
+    monkeypatch.setattr(ta, "INTERPRETED", False)
+    monkeypatch.setattr(ta, "HAS_TRITON", True)
+    assert attention.TRITON_VERIFIED_ON_GPU is False
+    assert kernels.resolve_backend("auto", q) == "reference"
+    assert kernels.resolve_backend("triton", q) == "triton"  # opt-in by argument
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "triton")
+    assert kernels.resolve_backend("auto", q) == "triton"  # opt-in by environment
+    monkeypatch.delenv(kernels.BACKEND_ENV_VAR)
+    monkeypatch.setattr(attention, "TRITON_VERIFIED_ON_GPU", True)
+    assert kernels.resolve_backend("auto", q) == "triton"
+    assert kernels.resolve_backend("auto", SimpleNamespace(is_cuda=False, shape=q.shape, dtype=q.dtype)) == \
+        "reference"

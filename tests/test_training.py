@@ -28,6 +28,7 @@ from arvdm.checkpoint import (
 )
 from arvdm.config import ConfigError, apply_overrides, get_preset
 from arvdm.training import ResumableSampler, Trainer, TrainingError, lr_factor
+from data.dataset import to_float_video
 from data.episodes import write_episode
 
 TINY = ["model.image_size=16", "data.resize=0", "model.patch_size=4", "model.dim=32", "model.depth=1", "model.heads=2",
@@ -245,7 +246,7 @@ def test_tiny_model_overfits_one_clip(tmp_path):
     assert losses[-1] < losses[0] / 10, losses
 
     clip = trainer.train_ds[0]
-    real, actions = clip["video"][None], clip["actions"][None]  # (1, m+w, C, H, W), (1, m+w)
+    real, actions = to_float_video(clip["video"])[None], clip["actions"][None]  # (1, m+w, C, H, W), (1, m+w)
     g = torch.Generator().manual_seed(0)
     fake = rollout(trainer.ema.model, trainer.diffusion, get_schedule("chunked", w, cfg.diffusion.num_levels, 50),
                    real[:, :m], actions[:, :m], actions[:, m:], w, generator=g, progress=False)

@@ -1,0 +1,57 @@
+"""KVCache with a moving start: same contents as a plain list of frames under every policy, views without
+copies of the past, and a sliding window that neither reallocates nor grows once it is full."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from memory import KVCache, RetentionPolicy
+
+POLICIES = [RetentionPolicy("all"), RetentionPolicy("last", length=5), RetentionPolicy("sink_recent", sink=2, recent=3)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.kind)
+@pytest.mark.parametrize("tpf", [1, 3])
+def test_cache_matches_a_list_of_frames(policy, tpf):
+    rng = random.Random(0)
+    cache = KVCache(policy, tokens_per_frame=tpf, initial_capacity=2)
+    ref: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # frame id -> (k, v) of that frame
+    n_committed = 0
+    for _ in range(40):
+        n = rng.choice([1, 1, 2, 3])
+        k, v = torch.randn(2, 2, n * tpf, 4), torch.randn(2, 2, n * tpf, 4)
+        cache.append(k, v, range(n_committed, n_committed + n))
+        for j in range(n):
+            ref[n_committed + j] = (k[:, :, j * tpf:(j + 1) * tpf], v[:, :, j * tpf:(j + 1) * tpf])
+        n_committed += n
+        cache.evict(n_committed)
+        kept = policy.kept_indices(n_committed)
+        assert cache.frame_ids == kept
+        want_k = torch.cat([ref[i][0] for i in kept], dim=2)
+        want_v = torch.cat([ref[i][1] for i in kept], dim=2)
+        got_k, got_v = cache.keys_values()
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        # the window's K/V appended without a copy of the past: equal to the concatenation
+        wk, wv = torch.randn(2, 2, 2 * tpf, 4), torch.randn(2, 2, 2 * tpf, 4)
+        ek, ev = cache.keys_values_with(wk, wv)
+        assert torch.equal(ek, torch.cat([want_k, wk], 2)) and torch.equal(ev, torch.cat([want_v, wv], 2))
+        # ... and it did not commit anything
+        assert cache.frame_ids == kept and torch.equal(cache.keys_values()[0], want_k)
+
+
+def test_sliding_window_reuses_its_buffer_and_views_share_it():
+    cache = KVCache(RetentionPolicy("last", length=16), initial_capacity=4)
+    ptrs, caps = set(), set()
+    for f in range(200):
+        cache.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), [f])
+        cache.evict(f + 1)
+        if f >= 64:
+            ptrs.add(cache._k.data_ptr())
+            caps.add(cache.capacity_nbytes())
+    assert len(ptrs) == 1 and len(caps) == 1  # no reallocation once the window is full
+    assert cache.capacity_nbytes() <= 2 * cache.nbytes()  # slack of at most the window itself
+    k, _ = cache.keys_values_with(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    assert k.data_ptr() >= cache._k.data_ptr() and k.shape[2] == 17  # a view into the buffer, not a copy

@@ -1,0 +1,130 @@
+"""Gradient accumulation is exact; torch.compile'd training and sampling agree with eager."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_training import tiny_cfg, write_episodes
+
+import arvdm.training as training
+from arvdm.training import Trainer
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_episodes(tmp_path / "data", n_train=4, length=12)
+
+
+def _clips(trainer, n):
+    items = [trainer.train_ds[i] for i in range(n)]
+    return training._collate(items)
+
+
+def _per_clip_loss(model, diffusion, video, actions, memory_length, num_levels, generator, autocast):
+    """The real loss, applied clip by clip with noise seeded by the clip's content, so a clip draws the same
+    levels and noise whichever micro-batch it lands in (the real one draws from one stream per batch)."""
+    totals, counts = [], []
+    for i in range(video.shape[0]):
+        g = torch.Generator().manual_seed(int(actions[i].sum()) * 1000 + int(video[i, 0, 0, 0, 0] * 1000))
+        t, c = real_loss(model, diffusion, video[i:i + 1], actions[i:i + 1], memory_length, num_levels, g,
+                         autocast)
+        totals.append(t)
+        counts.append(c)
+    return torch.stack(totals).sum(), torch.stack(counts).sum()
+
+
+real_loss = training.diffusion_forcing_loss
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_grad_accum_equals_one_big_batch(tmp_path, data, monkeypatch):
+    monkeypatch.setattr(training, "diffusion_forcing_loss", _per_clip_loss)
+    # K = 4 levels: level 0 (clean, not counted) is drawn often, so micro-batches count different frames.
+    common = ["diffusion.num_levels=4", "train.grad_clip=0"]
+    big = Trainer(tiny_cfg(data, "train.batch_size=4", *common), tmp_path / "big", device="cpu")
+    acc = Trainer(tiny_cfg(data, "train.batch_size=2", "train.grad_accum=2", *common), tmp_path / "acc",
+                  device="cpu")
+    assert acc.global_batch == big.global_batch == 4
+    batch = _clips(big, 4)
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+
+    loss_big, _ = big.train_step(batch)
+    loss_acc, _ = acc.train_step(halves)
+    torch.testing.assert_close(loss_acc, loss_big, rtol=1e-5, atol=1e-7)
+    g_big, g_acc = _grads(big.model), _grads(acc.model)
+    assert g_big.keys() == g_acc.keys() and len(g_big) > 0
+    for n in g_big:
+        torch.testing.assert_close(g_acc[n], g_big[n], rtol=1e-4, atol=1e-7, msg=n)
+    for (n, p), q in zip(big.model.named_parameters(), acc.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+
+    # Not vacuous: the two halves count different numbers of frames, so a mean of the two micro-batch
+    # means (naive accumulation) is another number.
+    parts = [_per_clip_loss(big.model, big.diffusion, *big._to_device(h), big.m, big.K, None, big.autocast)
+             for h in halves]
+    assert parts[0][1] != parts[1][1]
+    naive = ((parts[0][0] / parts[0][1] + parts[1][0] / parts[1][1]) / 2).detach()
+    assert abs(float(naive) - float(loss_big)) > 1e-4
+
+
+def test_fit_consumes_grad_accum_micro_batches_per_step(tmp_path, data):
+    t = Trainer(tiny_cfg(data, "train.grad_accum=3", "train.max_steps=2", "train.val_every=0",
+                         "train.ckpt_every=2"), tmp_path / "run", device="cpu")
+    seen = []
+    step = t.train_step
+    t.train_step = lambda mbs: (seen.append(len(mbs)), step(mbs))[1]
+    t.fit()
+    assert seen == [3, 3] and t.data_position() == 2 * 3 * 2  # steps x micro-batches x batch_size
+
+
+def _aot_eager(monkeypatch):
+    """inductor's C++ codegen takes minutes on a 2-core CPU; aot_eager traces the same graphs (dynamo +
+    AOT autograd) without code generation. The slow test below runs inductor."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_training_step_matches_eager(tmp_path, data, monkeypatch, backend):
+    if backend == "aot_eager":
+        _aot_eager(monkeypatch)
+    torch._dynamo.reset()
+    eager = Trainer(tiny_cfg(data), tmp_path / "eager", device="cpu")
+    comp = Trainer(tiny_cfg(data, "train.compile=true"), tmp_path / "comp", device="cpu")
+    assert comp.net is not comp.model and hasattr(comp.net, "_orig_mod")
+    batch = _clips(eager, 2)
+    for _ in range(2):  # the same generator seeds: the same levels and noise in both
+        le, _ = eager.train_step(batch)
+        lc, _ = comp.train_step(batch)
+        torch.testing.assert_close(lc, le, rtol=1e-4, atol=1e-6)
+    for (n, p), q in zip(eager.model.named_parameters(), comp.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_compiled_rollout_matches_eager(monkeypatch, use_cache):
+    from test_model import make
+
+    from arvdm.diffusion import PerFrameDiffusion
+    from arvdm.pipeline import rollout
+    from arvdm.sampling import compile_for_sampling
+    from arvdm.schedules import fifo
+
+    _aot_eager(monkeypatch)
+    torch._dynamo.reset()
+    model = make("memory.retention=last", "memory.length=4")  # the cache fills, then slides
+    diffusion = PerFrameDiffusion(model.cfg.diffusion)
+    sched = fifo(4, model.cfg.diffusion.num_levels)
+    ctx, ctx_a, acts = torch.rand(1, 2, 3, 16, 16) * 2 - 1, torch.zeros(1, 2).long(), torch.ones(1, 10).long()
+
+    def run(m):
+        return rollout(m, diffusion, sched, ctx, ctx_a, acts, 10, generator=torch.Generator().manual_seed(0),
+                       use_cache=use_cache, progress=False)
+    eager = run(model)
+    compiled = run(compile_for_sampling(model))
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert eager.abs().mean() > 0.1  # real frames, not zeros
