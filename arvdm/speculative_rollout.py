@@ -1,0 +1,293 @@
+"""Speculative denoising rows for ``pipeline.rollout`` (De Bortoli et al., arXiv 2501.05370; BanditSpec,
+arXiv 2505.15141).
+
+Within one AR step the memory does not change, so the rows of the scheduling matrix are a Markov chain of
+Gaussian transitions x_{m+1} ~ N(mean_p(x_m), σ_m²) (``PerFrameDiffusion.transition``). A round:
+
+1. the bandit policy picks an arm = (lookahead L, draft); L = 1 is a plain step (no speculation);
+2. the draft proposes L rows y_1..y_L from the round's start y_0 = x_m, y_{i+1} = mean_q(y_i) + σ_i z_i,
+   with z_i drawn from the rollout's generator in the same order a plain rollout draws them;
+3. the target runs once on the L states y_0..y_{L−1} as one batch of L·B windows (the KV-cached state
+   tiled L times, L-major: copy l holds batch rows l·B..l·B+B−1);
+4. rows are verified in order with :func:`arvdm.speculative.gaussian_accept_or_reflect`; the round ends at
+   the first row where some sample is rejected (that row's output is the reflection for the rejected samples
+   and the drafted row for the others: every sample's chain stays exact), or after L rows;
+5. the policy is rewarded with the rows advanced (1..L).
+
+Drafts: ``"frozen"`` reuses the newest target v-prediction for all L drafted rows (no network call; the
+newest is the target's v at the state one row before the round's start, and at an AR step's first row the
+previous window's v shifted by Δ with 0 — "predict the mean frame" — for the entering frames); or any model
+with the denoiser's call signature (e.g. a shallower or streaming ``Denoiser``), run with its own state.
+If the draft *is* the target model it shares the target's state, every row is accepted (up to the
+rounding of a batched call) and the output equals plain sampling bit for bit.
+
+Exactness needs σ > 0: with eta = 0 every transition is deterministic and a drafted row is accepted only
+if it equals the target's bit for bit. Frames landing on level 0 are deterministic too (σ = 0), so a row
+in which a frame finishes is accepted only when the draft's mean there is exact: on a FIFO schedule (a
+frame finishes in every row) speculation with a frozen draft accepts nothing; chunked AR finishes all
+frames only in its last row.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from memory import MemoryBank, MemoryFrames
+from memory.cache import KVCache
+
+from .bandits import ArmPolicy
+from .diffusion import PerFrameDiffusion
+from .speculative import gaussian_accept_or_reflect
+
+__all__ = ["Speculation", "RoundRecord", "RowCheck", "tile_state", "FROZEN", "NO_DRAFT"]
+
+FROZEN = "frozen"
+NO_DRAFT = "none"
+
+
+@dataclass
+class RoundRecord:
+    """One speculative round: ``rows`` advanced (1..lookahead) for ``target_states`` windows evaluated
+    (L·B in one batched call; B for a plain step); ``accepted`` drafted rows kept by every sample."""
+
+    stage: str
+    ar_step: int
+    row: int
+    arm: int
+    lookahead: int
+    rows: int
+    accepted: int
+    target_states: int
+    draft_calls: int
+    seconds: float
+
+
+@dataclass
+class RowCheck:
+    """One verified drafted row: matrix ``row``, mean level of its moving frames, samples accepted / checked."""
+
+    row: int
+    level: float
+    accepted: int
+    checked: int
+
+
+@dataclass
+class Speculation:
+    """How ``rollout`` speculates its denoising rows, and what happened (filled in by the rollout).
+
+    Args:
+        arms: (lookahead L, draft name) per arm; L = 1 means a plain step (draft ignored).
+        policy: picks an arm per round (``arvdm.bandits``); its rewards are the rows each round advanced.
+        drafts: draft name -> model (``FROZEN`` needs no entry).
+        seed: seed of the uniforms of the accept tests, kept apart from the rollout's generator so that the
+            transitions draw the same noise as a plain rollout.
+    """
+
+    arms: list[tuple[int, str]]
+    policy: ArmPolicy
+    drafts: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    rounds: list[RoundRecord] = field(default_factory=list)
+    checks: list[RowCheck] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.arms:
+            raise ValueError("Speculation needs at least one arm")
+        for lookahead, draft in self.arms:
+            if int(lookahead) < 1:
+                raise ValueError(f"arm lookahead must be >= 1, got {lookahead}")
+            if int(lookahead) > 1 and draft != FROZEN and draft not in self.drafts:
+                raise ValueError(f"arm draft {draft!r} is neither {FROZEN!r} nor a key of drafts "
+                                 f"({sorted(self.drafts)})")
+        if self.policy.n_arms != len(self.arms):
+            raise ValueError(f"policy has {self.policy.n_arms} arms, Speculation has {len(self.arms)}")
+
+    # -- summaries ------------------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Target rounds (sequential calls), batched evaluations, rows per round, acceptance."""
+        rounds = self.rounds
+        n_rows = sum(r.rows for r in rounds)
+        checked = sum(c.checked for c in self.checks)
+        return {"target_rounds": len(rounds), "target_evaluations": sum(r.target_states for r in rounds),
+                "draft_calls": sum(r.draft_calls for r in rounds), "rows": n_rows,
+                "rows_per_round": n_rows / max(1, len(rounds)),
+                "acceptance": sum(c.accepted for c in self.checks) / checked if checked else float("nan"),
+                "arm_counts": [sum(r.arm == i for r in rounds) for i in range(len(self.arms))]}
+
+    def acceptance_by_level(self) -> dict[int, float]:
+        """Acceptance rate of drafted rows grouped by the (rounded) mean noise level they start from."""
+        acc: dict[int, list[int]] = {}
+        for c in self.checks:
+            a = acc.setdefault(int(round(c.level)), [0, 0])
+            a[0] += c.accepted
+            a[1] += c.checked
+        return {lv: a / n for lv, (a, n) in sorted(acc.items())}
+
+
+def tile_state(obj: Any, copies: int) -> Any:
+    """A copy of a rollout state for a batch of ``copies`` stacked windows (L-major: copy l = rows l·B..).
+
+    Tensors are repeated along their leading (batch-major) dim — (B, ...) and (B·N, ...) alike —, KV caches
+    get new tiled buffers, banks tiled frames; ``batch_size`` is multiplied. The original is not touched.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.repeat(copies, *([1] * (obj.dim() - 1)))  # (copies·B, ...)
+    if isinstance(obj, KVCache):
+        new = KVCache(obj.policy, obj.tokens_per_frame, initial_capacity=max(1, obj.num_frames))
+        kv = obj.keys_values()
+        if kv is not None:
+            new.append(tile_state(kv[0], copies), tile_state(kv[1], copies), obj.frame_ids)
+        return new
+    if isinstance(obj, MemoryBank):
+        new = copy.copy(obj)
+        new.positions = list(obj.positions)
+        for name in ("frames", "actions", "poses"):
+            value = getattr(obj, name)
+            setattr(new, name, None if value is None else tile_state(value, copies))
+        return new
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tile_state(o, copies) for o in obj)
+    if isinstance(obj, dict):
+        return {k: tile_state(v, copies) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: (getattr(obj, f.name) * copies if f.name == "batch_size"
+                            else tile_state(getattr(obj, f.name), copies)) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+class SpeculativeRows:
+    """Runs the rows of a scheduling matrix speculatively (used by ``pipeline.rollout``; see module doc)."""
+
+    def __init__(self, spec: Speculation, model: Any, diffusion: PerFrameDiffusion, eta: float,
+                 generator: torch.Generator | None, batch: int, randn: Callable[..., torch.Tensor], *,
+                 state: Any = None, bank: MemoryBank | None = None):
+        if float(eta) <= 0:
+            raise ValueError("speculative sampling needs eta > 0: with eta = 0 every transition is deterministic "
+                             "(sigma = 0), a drafted row is accepted only if it equals the target's bit for bit, "
+                             "so speculation cannot save a target call")
+        self.spec, self.model, self.diffusion, self.eta = spec, model, diffusion, float(eta)
+        self.generator, self.batch, self.randn = generator, batch, randn
+        self.state, self.bank = state, bank
+        self.accept_generator = torch.Generator().manual_seed(spec.seed)
+        self._tiled: dict[int, Any] = {}
+        # Draft models other than the target keep their own cached state, committed in lockstep.
+        self.draft_states = {name: (None if m is model else m.init_state(batch)) for name, m in spec.drafts.items()}
+        self.v_newest: torch.Tensor | None = None  # newest target v-prediction (frozen draft)
+
+    # -- memory ------------------------------------------------------------------------------------------------
+    def commit(self, frames: torch.Tensor, actions: torch.Tensor) -> None:
+        """Frames left the window: the tiled copies are stale; draft states get the frames too."""
+        self._tiled.clear()
+        for name, st in self.draft_states.items():
+            if st is not None:
+                self.spec.drafts[name].commit(st, frames, actions)
+
+    def shift(self, delta: int) -> None:
+        """The window moved by Δ: the frozen draft's v follows it (0 for the entering frames)."""
+        if self.v_newest is not None:
+            v = self.v_newest
+            self.v_newest = torch.cat([v[:, delta:], torch.zeros_like(v[:, :delta])], dim=1)  # (B, w, ...)
+
+    # -- calls -------------------------------------------------------------------------------------------------
+    def _target(self, x: torch.Tensor, levels: torch.Tensor, acts: torch.Tensor, copies: int) -> torch.Tensor:
+        """Target v for ``copies`` stacked windows (copies·B, w, ...) in one call."""
+        if self.state is not None:
+            if copies == 1:
+                return self.model(x, levels, acts, state=self.state)
+            if copies not in self._tiled:
+                self._tiled[copies] = tile_state(self.state, copies)
+            return self.model(x, levels, acts, state=self._tiled[copies])
+        mem = self.bank.memory()
+        if mem is not None and copies > 1:
+            mem = MemoryFrames(tile_state(mem.frames, copies), tile_state(mem.actions, copies), mem.positions,
+                               None if mem.poses is None else tile_state(mem.poses, copies))
+        return self.model(x, levels, acts, memory=mem)
+
+    def _draft(self, name: str, y: torch.Tensor, levels: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
+        if name == FROZEN:
+            return self.v_newest if self.v_newest is not None else torch.zeros_like(y)
+        draft = self.spec.drafts[name]
+        if draft is self.model:
+            return self._target(y, levels, acts, 1)
+        return draft(y, levels, acts, state=self.draft_states[name])
+
+    # -- rows --------------------------------------------------------------------------------------------------
+    def run_rows(self, x: torch.Tensor, rows: torch.Tensor, win_actions: torch.Tensor, stage: str, ar_step: int,
+                 on_row: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+                 ) -> torch.Tensor:
+        """Take the window ``x`` (B, w, ...) from ``rows[0]`` to ``rows[-1]``; ``on_row(m, x_from, v, x_to,
+        levels_from)`` is called once per row advanced (for ``return_intermediate``)."""
+        b, n_rows = self.batch, rows.shape[0] - 1
+        m = 0
+        while m < n_rows:
+            t0 = time.perf_counter()
+            arm = self.spec.policy.select()
+            lookahead, draft = self.spec.arms[arm]
+            size = min(int(lookahead), n_rows - m)
+            if size == 1:
+                x, advanced, accepted, draft_calls = self._plain_row(x, rows, m, win_actions, on_row), 1, 0, 0
+            else:
+                x, advanced, accepted, draft_calls = self._round(x, rows, m, size, draft, win_actions, on_row)
+            self.spec.policy.update(arm, advanced)
+            self.spec.rounds.append(RoundRecord(stage, ar_step, m, arm, int(lookahead), advanced, accepted,
+                                                size * b if size > 1 else b, draft_calls,
+                                                time.perf_counter() - t0))
+            m += advanced
+        return x
+
+    def _levels(self, rows: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows[m].unsqueeze(0).repeat(self.batch, 1), rows[m + 1].unsqueeze(0).repeat(self.batch, 1)  # (B, w)
+
+    def _plain_row(self, x, rows, m, win_actions, on_row) -> torch.Tensor:
+        """Exactly a plain rollout's row (same call, same noise)."""
+        lv_from, lv_to = self._levels(rows, m)
+        v = self._target(x, lv_from, win_actions, 1)  # (B, w, ch, H, W)
+        z = self.randn(x.shape)
+        x_new = self.diffusion.step(x, v, lv_from, lv_to, self.eta, noise=z)
+        self.v_newest = v
+        if on_row is not None:
+            on_row(m, x, v, x_new, lv_from)
+        return x_new
+
+    def _round(self, x, rows, m, size, draft, win_actions, on_row):
+        b = self.batch
+        # 1. draft `size` rows from y_0 = x
+        ys, means_q, sigmas, zs, levels = [x], [], [], [], []
+        for i in range(size):
+            lv_from, lv_to = self._levels(rows, m + i)
+            v_q = self._draft(draft, ys[i], lv_from, win_actions)
+            mean_q, sigma = self.diffusion.transition(ys[i], v_q, lv_from, lv_to, self.eta)
+            z = self.randn(x.shape)  # (B, w, ch, H, W), in a plain rollout's order
+            ys.append(mean_q + sigma * z)  # exactly diffusion.step's arithmetic
+            means_q.append(mean_q)
+            sigmas.append(sigma)
+            zs.append(z)
+            levels.append((lv_from, lv_to))
+        draft_calls = 0 if draft == FROZEN else size
+        # 2. the target on the `size` states y_0..y_{size-1} in one batch (size·B windows, L-major)
+        lv_all = torch.cat([lv for lv, _ in levels])  # (size·B, w)
+        v_all = self._target(torch.cat(ys[:size]), lv_all, win_actions.repeat(size, 1), size)
+        v_all = v_all.reshape(size, b, *x.shape[1:])  # (size, B, w, ch, H, W)
+        # 3. verify in order; stop at the first row with a rejection
+        for i in range(size):
+            lv_from, lv_to = levels[i]
+            mean_p, sigma = self.diffusion.transition(ys[i], v_all[i], lv_from, lv_to, self.eta)
+            u = torch.rand(b, generator=self.accept_generator, dtype=torch.float64).to(x.device)  # (B,)
+            y, ok = gaussian_accept_or_reflect(zs[i], means_q[i], mean_p, sigma, u)
+            moving = (lv_to[0] < lv_from[0])
+            level = float(lv_from[0][moving].double().mean()) if moving.any() else float(lv_from[0].double().mean())
+            self.spec.checks.append(RowCheck(m + i, level, int(ok.sum()), b))
+            if on_row is not None:
+                on_row(m + i, ys[i], v_all[i], y, lv_from)
+            self.v_newest = v_all[i]
+            if not bool(ok.all()):
+                return y, i + 1, i, draft_calls
+        return ys[size], size, size, draft_calls
