@@ -82,8 +82,8 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
             fixed order, so a rollout is reproducible from the generator's seed.
         use_cache: True = the model's KV cache (``state``); False = recompute the memory at every call.
         progress: a tqdm bar over frames.
-        return_intermediate: also return one :class:`RolloutStep` per model call (per row advanced when
-            speculating).
+        return_intermediate: also return one :class:`RolloutStep` per model call (not with ``speculation``:
+            there samples move through the rows at their own pace).
         speculation: run the denoising rows speculatively (exact; needs eta > 0): see
             :mod:`arvdm.speculative_rollout`. Its ``rounds`` / ``checks`` are filled in. None = plain rows.
 
@@ -127,6 +127,9 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
             return model(x, levels, win_actions, memory=bank.memory())  # the whole past, recomputed
     spec_rows = None
     if speculation is not None:  # its own functions; the plain path below stays as it is
+        if return_intermediate:
+            raise ValueError("return_intermediate is not available with speculation: samples move through the "
+                             "rows at their own pace, there is no single model call per row to record")
         spec_rows = SpeculativeRows(speculation, model, diffusion, eta, generator, b,
                                     lambda shape: _randn(shape, generator, device, dtype),
                                     state=state if use_cache else None, bank=None if use_cache else bank)
@@ -162,13 +165,7 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
     if spec_rows is not None:
         def run_rows_speculative(rows: torch.Tensor, stage: str, ar_step: int, offset: int) -> torch.Tensor:
             nonlocal x
-
-            def on_row(m, x_from, v, x_to, lv_from):
-                if return_intermediate:
-                    record.append(RolloutStep(stage, ar_step, m, offset, rows[m].clone(), rows[m + 1].clone(),
-                                              x_to.clone(), diffusion.pred_x0(x_from, v, lv_from)))
-
-            x = spec_rows.run_rows(x, rows, acts[:, offset:offset + w], stage, ar_step, on_row)
+            x = spec_rows.run_rows(x, rows, acts[:, offset:offset + w], stage, ar_step)
             return x
 
         run_rows = run_rows_speculative

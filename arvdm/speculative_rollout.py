@@ -33,8 +33,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -53,16 +54,18 @@ NO_DRAFT = "none"
 
 @dataclass
 class RoundRecord:
-    """One speculative round: ``rows`` advanced (1..lookahead) for ``target_states`` windows evaluated
-    (L·B in one batched call; B for a plain step); ``accepted`` drafted rows kept by every sample."""
+    """One speculative round starting at matrix ``row`` (the lowest among the samples): ``rows`` advanced
+    and ``accepted`` drafted rows kept, both means over the samples still moving (``rows`` is the policy's
+    reward, 1..lookahead), for ``target_states`` windows evaluated (L·B in one batched call; B for a plain
+    step) and ``draft_calls`` sequential draft-network calls."""
 
     stage: str
     ar_step: int
     row: int
     arm: int
     lookahead: int
-    rows: int
-    accepted: int
+    rows: float
+    accepted: float
     target_states: int
     draft_calls: int
     seconds: float
@@ -96,6 +99,7 @@ class Speculation:
     seed: int = 0
     rounds: list[RoundRecord] = field(default_factory=list)
     checks: list[RowCheck] = field(default_factory=list)
+    rows: int = 0  # rows every sample went through (a plain rollout makes one target call per row)
 
     def __post_init__(self):
         if not self.arms:
@@ -111,13 +115,14 @@ class Speculation:
 
     # -- summaries ------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        """Target rounds (sequential calls), batched evaluations, rows per round, acceptance."""
+        """Target rounds (sequential calls; a plain rollout makes ``rows``), batched window evaluations,
+        rows per round (the speed-up in sequential target calls), mean reward, acceptance of drafted rows."""
         rounds = self.rounds
-        n_rows = sum(r.rows for r in rounds)
         checked = sum(c.checked for c in self.checks)
         return {"target_rounds": len(rounds), "target_evaluations": sum(r.target_states for r in rounds),
-                "draft_calls": sum(r.draft_calls for r in rounds), "rows": n_rows,
-                "rows_per_round": n_rows / max(1, len(rounds)),
+                "draft_calls": sum(r.draft_calls for r in rounds), "rows": self.rows,
+                "rows_per_round": self.rows / max(1, len(rounds)),
+                "mean_reward": sum(r.rows for r in rounds) / max(1, len(rounds)),
                 "acceptance": sum(c.accepted for c in self.checks) / checked if checked else float("nan"),
                 "arm_counts": [sum(r.arm == i for r in rounds) for i in range(len(self.arms))]}
 
@@ -220,55 +225,61 @@ class SpeculativeRows:
         return draft(y, levels, acts, state=self.draft_states[name])
 
     # -- rows --------------------------------------------------------------------------------------------------
-    def run_rows(self, x: torch.Tensor, rows: torch.Tensor, win_actions: torch.Tensor, stage: str, ar_step: int,
-                 on_row: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
-                 ) -> torch.Tensor:
-        """Take the window ``x`` (B, w, ...) from ``rows[0]`` to ``rows[-1]``; ``on_row(m, x_from, v, x_to,
-        levels_from)`` is called once per row advanced (for ``return_intermediate``)."""
-        b, n_rows = self.batch, rows.shape[0] - 1
-        m = 0
-        while m < n_rows:
+    def run_rows(self, x: torch.Tensor, rows: torch.Tensor, win_actions: torch.Tensor, stage: str,
+                 ar_step: int) -> torch.Tensor:
+        """Take the window ``x`` (B, w, ...) from ``rows[0]`` to ``rows[-1]``.
+
+        Every sample keeps its own row ``pos[b]`` (levels are per sample anyway): a sample whose draft is
+        rejected early does not hold back the others. A sample that reached the last row stays there
+        (level b = a: the transition returns it unchanged, σ = 0, always accepted) until all have.
+        """
+        n_rows = rows.shape[0] - 1
+        self.spec.rows += n_rows
+        pos = torch.zeros(self.batch, dtype=torch.long, device=rows.device)  # (B,) row of every sample
+        while int(pos.min()) < n_rows:
             t0 = time.perf_counter()
             arm = self.spec.policy.select()
             lookahead, draft = self.spec.arms[arm]
-            size = min(int(lookahead), n_rows - m)
+            size = min(int(lookahead), n_rows - int(pos.min()))
+            active = pos < n_rows  # (B,)
+            start = pos.clone()
             if size == 1:
-                x, advanced, accepted, draft_calls = self._plain_row(x, rows, m, win_actions, on_row), 1, 0, 0
+                x, pos = self._plain_row(x, rows, pos, win_actions), (pos + 1).clamp_max(n_rows)
+                accepted, draft_calls = torch.zeros_like(pos), 0
             else:
-                x, advanced, accepted, draft_calls = self._round(x, rows, m, size, draft, win_actions, on_row)
+                x, pos, accepted, draft_calls = self._round(x, rows, pos, size, draft, win_actions)
+            advanced = (pos - start)[active].double().mean().item()  # rows per round, mean over active samples
             self.spec.policy.update(arm, advanced)
-            self.spec.rounds.append(RoundRecord(stage, ar_step, m, arm, int(lookahead), advanced, accepted,
-                                                size * b if size > 1 else b, draft_calls,
+            self.spec.rounds.append(RoundRecord(stage, ar_step, int(start.min()), arm, int(lookahead), advanced,
+                                                accepted[active].double().mean().item(),
+                                                size * self.batch if size > 1 else self.batch, draft_calls,
                                                 time.perf_counter() - t0))
-            m += advanced
         return x
 
-    def _levels(self, rows: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return rows[m].unsqueeze(0).repeat(self.batch, 1), rows[m + 1].unsqueeze(0).repeat(self.batch, 1)  # (B, w)
+    def _levels(self, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, w) levels from row pos[b] to row pos[b] + 1 (a finished sample stays on the last row)."""
+        last = rows.shape[0] - 1
+        return rows[pos.clamp_max(last)], rows[(pos + 1).clamp_max(last)]
 
-    def _plain_row(self, x, rows, m, win_actions, on_row) -> torch.Tensor:
+    def _plain_row(self, x, rows, pos, win_actions) -> torch.Tensor:
         """Exactly a plain rollout's row (same call, same noise)."""
-        lv_from, lv_to = self._levels(rows, m)
+        lv_from, lv_to = self._levels(rows, pos)
         v = self._target(x, lv_from, win_actions, 1)  # (B, w, ch, H, W)
         z = self.randn(x.shape)
-        x_new = self.diffusion.step(x, v, lv_from, lv_to, self.eta, noise=z)
         self.v_newest = v
-        if on_row is not None:
-            on_row(m, x, v, x_new, lv_from)
-        return x_new
+        return self.diffusion.step(x, v, lv_from, lv_to, self.eta, noise=z)
 
-    def _round(self, x, rows, m, size, draft, win_actions, on_row):
-        b = self.batch
+    def _round(self, x, rows, pos, size, draft, win_actions):
+        b, n_rows = self.batch, rows.shape[0] - 1
         # 1. draft `size` rows from y_0 = x
-        ys, means_q, sigmas, zs, levels = [x], [], [], [], []
+        ys, means_q, zs, levels = [x], [], [], []
         for i in range(size):
-            lv_from, lv_to = self._levels(rows, m + i)
+            lv_from, lv_to = self._levels(rows, pos + i)  # (B, w) each
             v_q = self._draft(draft, ys[i], lv_from, win_actions)
             mean_q, sigma = self.diffusion.transition(ys[i], v_q, lv_from, lv_to, self.eta)
             z = self.randn(x.shape)  # (B, w, ch, H, W), in a plain rollout's order
             ys.append(mean_q + sigma * z)  # exactly diffusion.step's arithmetic
             means_q.append(mean_q)
-            sigmas.append(sigma)
             zs.append(z)
             levels.append((lv_from, lv_to))
         draft_calls = 0 if draft == FROZEN else size
@@ -276,18 +287,27 @@ class SpeculativeRows:
         lv_all = torch.cat([lv for lv, _ in levels])  # (size·B, w)
         v_all = self._target(torch.cat(ys[:size]), lv_all, win_actions.repeat(size, 1), size)
         v_all = v_all.reshape(size, b, *x.shape[1:])  # (size, B, w, ch, H, W)
-        # 3. verify in order; stop at the first row with a rejection
+        # 3. verify in order; a sample stops at its first rejection (its reflection is exact)
+        shape = (b,) + (1,) * (x.ndim - 1)
+        alive = torch.ones(b, dtype=torch.bool, device=x.device)  # (B,) accepted every row so far
+        out, advanced = ys[size].clone(), torch.full((b,), size, dtype=torch.long, device=x.device)
         for i in range(size):
             lv_from, lv_to = levels[i]
             mean_p, sigma = self.diffusion.transition(ys[i], v_all[i], lv_from, lv_to, self.eta)
             u = torch.rand(b, generator=self.accept_generator, dtype=torch.float64).to(x.device)  # (B,)
             y, ok = gaussian_accept_or_reflect(zs[i], means_q[i], mean_p, sigma, u)
-            moving = (lv_to[0] < lv_from[0])
-            level = float(lv_from[0][moving].double().mean()) if moving.any() else float(lv_from[0].double().mean())
-            self.spec.checks.append(RowCheck(m + i, level, int(ok.sum()), b))
-            if on_row is not None:
-                on_row(m + i, ys[i], v_all[i], y, lv_from)
-            self.v_newest = v_all[i]
-            if not bool(ok.all()):
-                return y, i + 1, i, draft_calls
-        return ys[size], size, size, draft_calls
+            checked = alive & (pos + i < n_rows)  # finished samples "stay": not a check
+            moving = lv_to < lv_from  # (B, w)
+            level = float(lv_from[moving].double().mean()) if moving.any() else 0.0
+            self.spec.checks.append(RowCheck(int((pos + i).min()), level, int((ok & checked).sum()),
+                                             int(checked.sum())))
+            rejected = alive & ~ok  # (B,)
+            out = torch.where(rejected.reshape(shape), y, out)
+            advanced = torch.where(rejected, i + 1, advanced)
+            alive &= ok
+            if not bool(alive.any()):
+                break
+        # the frozen draft's next v: the target's at the state each sample's new position was drawn from
+        self.v_newest = v_all[advanced - 1, torch.arange(b, device=x.device)]  # (B, w, ch, H, W)
+        accepted = torch.where(advanced < size, advanced - 1, advanced)  # drafted rows kept per sample
+        return out, (pos + advanced).clamp_max(n_rows), accepted, draft_calls

@@ -5,8 +5,16 @@ import math
 import numpy as np
 import pytest
 
-from arvdm.bandits import (EXP3Spec, FixedArm, UCBSpec, best_fixed_arm, hindsight_regret, stopping_time,
-                           stopping_time_regret, ucb_bonus)
+from arvdm.bandits import (
+    EXP3Spec,
+    FixedArm,
+    UCBSpec,
+    best_fixed_arm,
+    hindsight_regret,
+    stopping_time,
+    stopping_time_regret,
+    ucb_bonus,
+)
 
 L = 4
 PROBS = np.array([0.2, 0.45, 0.7, 0.55])  # Y = 1 + Binomial(L, p): means 1.8, 2.8, 3.8, 3.2; best arm 2

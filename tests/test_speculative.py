@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from arvdm.speculative import gaussian_acceptance_probability, gaussian_accept_or_reflect, token_accept_or_resample
+from arvdm.speculative import gaussian_accept_or_reflect, gaussian_acceptance_probability, token_accept_or_resample
 
 ALPHA = 1e-3
 
