@@ -4,9 +4,12 @@
     python sample.py --run runs/tiny --schedule fifo --frames 120 --eval
     python sample.py --run runs/tiny --schedule my_schedule.json       # any valid Meta-ARVDM matrix
     python sample.py --run runs/tiny --no-cache                        # recompute memory every call (DF)
+    python sample.py --run runs/tiny --eta 1 --speculate ucb           # exact speculative rows, UCBSpec
+    python sample.py --run runs/tiny --eta 1 --speculate fixed:3 --draft runs/small   # a smaller draft model
 
 Writes rollout.mp4, rollout.npz (`real`, `fake`), metrics.csv and, with --eval, eval.json into --out
-(default RUN/samples/<schedule>). The logic lives in arvdm.sampling.
+(default RUN/samples/<schedule>); with --speculate also speculation.json and speculation_arms.png. The logic
+lives in arvdm.sampling.
 """
 
 from __future__ import annotations
@@ -38,14 +41,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     p.add_argument("--eval", action="store_true", help="also write eval.json (spans, decay, retrieval)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--speculate", default=None, metavar="ucb|exp3|fixed:L",
+                   help="exact speculative denoising rows, arm chosen by UCBSpec / EXP3Spec or fixed lookahead L "
+                        "(needs --eta > 0)")
+    p.add_argument("--draft", default="frozen", help="frozen (reuse the target's v) or a smaller run folder")
+    p.add_argument("--lookaheads", default="1,2,3,4", help="the bandits' lookahead arms, comma-separated")
     args = p.parse_args(argv)
+    try:
+        lookaheads = tuple(int(v) for v in args.lookaheads.split(","))
+    except ValueError:
+        print(f"sample.py: error: --lookaheads {args.lookaheads!r}: expected comma-separated integers such as 1,2,4",
+              file=sys.stderr)
+        return 2
 
     from arvdm.sampling import SampleSettings, sample_run
 
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,
                               use_cache=not args.no_cache, evaluate=args.eval, data=args.data,
-                              use_ema=not args.no_ema, device=args.device)
+                              use_ema=not args.no_ema, device=args.device, speculate=args.speculate,
+                              draft=args.draft, lookaheads=lookaheads)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         result = sample_run(args.run, out, settings)
@@ -53,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2))
+    for i, rep in enumerate(result["summary"].get("speculation", [])):
+        print(f"rollout {i}: {rep['target_rounds']} target rounds for {rep['rows']} rows "
+              f"({rep['rows_per_round']:.2f} rows/round, {rep['target_evaluations']} windows evaluated), "
+              f"acceptance {rep['acceptance']:.3f}, regret {rep['regret']['regret']:.1f} rounds vs best fixed arm "
+              f"{rep['arms'][rep['regret']['best_arm']]}, {rep['frames_per_second']:.2f} frames/s")
     return 0
 
 

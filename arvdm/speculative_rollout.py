@@ -32,21 +32,25 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from memory import MemoryBank, MemoryFrames
 from memory.cache import KVCache
 
-from .bandits import ArmPolicy
+from .bandits import ArmPolicy, EXP3Spec, FixedArm, UCBSpec, hindsight_regret
 from .diffusion import PerFrameDiffusion
 from .speculative import gaussian_accept_or_reflect
 
-__all__ = ["Speculation", "RoundRecord", "RowCheck", "tile_state", "FROZEN", "NO_DRAFT"]
+__all__ = ["Speculation", "RoundRecord", "RowCheck", "tile_state", "make_speculation", "speculation_report",
+           "plot_arms", "FROZEN", "NO_DRAFT"]
 
 FROZEN = "frozen"
 NO_DRAFT = "none"
@@ -311,3 +315,84 @@ class SpeculativeRows:
         self.v_newest = v_all[advanced - 1, torch.arange(b, device=x.device)]  # (B, w, ch, H, W)
         accepted = torch.where(advanced < size, advanced - 1, advanced)  # drafted rows kept per sample
         return out, (pos + advanced).clamp_max(n_rows), accepted, draft_calls
+
+
+# -- building and reporting ----------------------------------------------------------------------------------
+
+def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
+                     drafts: dict[str, Any] | None = None, seed: int = 0) -> Speculation:
+    """A :class:`Speculation` from the CLI's words.
+
+    Args:
+        mode: ``"ucb"`` (UCBSpec) or ``"exp3"`` (EXP3Spec) over the arms, or ``"fixed:L"`` (one arm: lookahead L
+            with the first draft).
+        lookaheads: the bandits' lookaheads; L = 1 (no speculation) is always an arm of a bandit.
+        drafts: draft name -> model, ``{FROZEN: None}`` for the frozen draft (the default). A bandit's arms are
+            (1, no draft) and every (L > 1, draft).
+        seed: seeds the accept tests' uniforms and EXP3's arm draws.
+    """
+    drafts = {FROZEN: None} if not drafts else dict(drafts)
+    for name, model in drafts.items():
+        if (name == FROZEN) != (model is None):
+            raise ValueError(f"draft {name!r}: the frozen draft takes no model, any other draft needs one")
+    names = list(drafts)
+    models = {name: m for name, m in drafts.items() if m is not None}
+    if mode.startswith("fixed:"):
+        try:
+            lookahead = int(mode.split(":", 1)[1])
+        except ValueError:
+            lookahead = 0
+        if lookahead < 1:
+            raise ValueError(f"--speculate {mode!r}: expected fixed:L with an integer lookahead L >= 1")
+        return Speculation([(lookahead, names[0] if lookahead > 1 else NO_DRAFT)], FixedArm(1, 0), models, seed)
+    if mode not in ("ucb", "exp3"):
+        raise ValueError(f"--speculate {mode!r}: expected ucb, exp3 or fixed:L")
+    ls = sorted({int(v) for v in lookaheads} | {1})
+    if ls[0] < 1:
+        raise ValueError(f"lookaheads must be >= 1, got {list(lookaheads)}")
+    arms = [(1, NO_DRAFT)] + [(L, name) for name in names for L in ls if L > 1]
+    reward_range = max(1, ls[-1] - 1)  # rewards (rows per round) lie in [1, max L] ⊂ [1, L+1]
+    policy = UCBSpec(len(arms), reward_range) if mode == "ucb" else EXP3Spec(len(arms), reward_range, seed=seed)
+    return Speculation(arms, policy, models, seed)
+
+
+def speculation_report(spec: Speculation, seconds: float, frames: int) -> dict[str, Any]:
+    """Everything a run prints and saves: summary, acceptance per noise level, regret, frames/s."""
+    arms = [r.arm for r in spec.rounds]
+    rewards = [r.rows for r in spec.rounds]
+    report = spec.summary()
+    report.update({
+        "arms": [f"L={L} {d}" for L, d in spec.arms],
+        "acceptance_by_level": {str(k): v for k, v in spec.acceptance_by_level().items()},
+        "regret": hindsight_regret(arms, rewards, len(spec.arms)) if rewards else None,
+        "seconds": seconds, "frames_per_second": frames / seconds if seconds > 0 else float("nan"),
+        "arm_per_round": arms, "rows_per_round_trace": rewards})
+    return report
+
+
+def plot_arms(specs: Sequence[Speculation], path: str | os.PathLike, title: str = "") -> Path:
+    """Arms chosen over the rounds (top) and rows advanced per round (bottom), one line per rollout."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from data.episodes import atomic_write
+
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax_arm, ax_rows = fig.subplots(2, 1, sharex=True)
+    for i, spec in enumerate(specs):
+        arms = np.array([r.arm for r in spec.rounds])
+        rows = np.array([r.rows for r in spec.rounds])
+        ax_arm.plot(np.arange(len(arms)), arms + 0.08 * i, ".", ms=3, label=f"rollout {i}")
+        k = max(1, len(rows) // 20)  # running mean over ~5% of the rounds
+        ax_rows.plot(np.convolve(rows, np.ones(k) / k, mode="valid"), lw=1)
+    if specs:
+        ax_arm.set_yticks(range(len(specs[0].arms)), [f"L={L} {d}" for L, d in specs[0].arms])
+    ax_arm.set_ylabel("arm")
+    ax_rows.set_ylabel("rows / round (running mean)")
+    ax_rows.set_xlabel("round (one sequential target call)")
+    ax_arm.set_title(title or "speculation: arms over time")
+    fig.tight_layout()
+    path = Path(path)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    return path
