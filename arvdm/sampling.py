@@ -101,13 +101,16 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         if settings.speculate:
             drafts = {FROZEN: None} if draft_model is None else {Path(settings.draft).name: draft_model}
             spec = make_speculation(settings.speculate, settings.lookaheads, drafts, seed=settings.seed + i)
+            if specs:  # one policy learns over all the rollouts; each rollout keeps its own record
+                spec.policy = specs[-1].policy
         t0 = time.perf_counter()
         gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
                       eta=settings.eta, generator=generator, use_cache=settings.use_cache,
                       progress=settings.progress, speculation=spec)  # (b, n_gen, C, H, W)
         if spec is not None:
             specs.append(spec)
-            reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen))
+            reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,
+                                              level_bin=max(1, cfg.diffusion.num_levels // 10)))
         fakes.append(gen.float().cpu())
     gen = torch.cat(fakes)  # (N, n_gen, C, H, W)
     fake = torch.cat([real[:, :context], gen], dim=1)  # (N, T, C, H, W): context frames are the given truth

@@ -130,14 +130,15 @@ class Speculation:
                 "acceptance": sum(c.accepted for c in self.checks) / checked if checked else float("nan"),
                 "arm_counts": [sum(r.arm == i for r in rounds) for i in range(len(self.arms))]}
 
-    def acceptance_by_level(self) -> dict[int, float]:
-        """Acceptance rate of drafted rows grouped by the (rounded) mean noise level they start from."""
+    def acceptance_by_level(self, width: int = 1) -> dict[int, float]:
+        """Acceptance rate of drafted rows grouped by the noise level they start from, in bins of ``width``
+        levels (key: the bin's lowest level)."""
         acc: dict[int, list[int]] = {}
         for c in self.checks:
-            a = acc.setdefault(int(round(c.level)), [0, 0])
+            a = acc.setdefault(int(c.level) // width * width, [0, 0])
             a[0] += c.accepted
             a[1] += c.checked
-        return {lv: a / n for lv, (a, n) in sorted(acc.items())}
+        return {lv: a / n for lv, (a, n) in sorted(acc.items()) if n}
 
 
 def tile_state(obj: Any, copies: int) -> Any:
@@ -356,14 +357,15 @@ def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
     return Speculation(arms, policy, models, seed)
 
 
-def speculation_report(spec: Speculation, seconds: float, frames: int) -> dict[str, Any]:
-    """Everything a run prints and saves: summary, acceptance per noise level, regret, frames/s."""
+def speculation_report(spec: Speculation, seconds: float, frames: int, level_bin: int = 1) -> dict[str, Any]:
+    """Everything a run prints and saves: summary, acceptance per noise level (bins of ``level_bin``
+    levels), regret, frames/s."""
     arms = [r.arm for r in spec.rounds]
     rewards = [r.rows for r in spec.rounds]
     report = spec.summary()
     report.update({
         "arms": [f"L={L} {d}" for L, d in spec.arms],
-        "acceptance_by_level": {str(k): v for k, v in spec.acceptance_by_level().items()},
+        "acceptance_by_level": {str(k): v for k, v in spec.acceptance_by_level(level_bin).items()},
         "regret": hindsight_regret(arms, rewards, len(spec.arms)) if rewards else None,
         "seconds": seconds, "frames_per_second": frames / seconds if seconds > 0 else float("nan"),
         "arm_per_round": arms, "rows_per_round_trace": rewards})

@@ -134,6 +134,8 @@ def main(argv=None) -> int:
                 mode, _, draft = name.partition(" ")
                 one = {draft: drafts[draft]} if draft else drafts
                 spec = make_speculation(mode, [1] + lookaheads, one, seed=args.seed + i)
+                if results[name]["specs"]:  # a bandit learns over the whole run
+                    spec.policy = results[name]["specs"][-1].policy
             counter.calls = 0
             t0 = time.perf_counter()
             rollout(counter if spec is None else model, diffusion, schedule, r[:, :context], a[:, :context],
@@ -153,8 +155,9 @@ def main(argv=None) -> int:
                 res["rows"] += s["rows"]
                 res["accepted"] += sum(c.accepted for c in spec.checks)
                 res["checked"] += sum(c.checked for c in spec.checks)
-                for c in spec.checks:
-                    acc = res["levels"].setdefault(int(round(c.level)), [0, 0])
+                for c in spec.checks:  # bins of K/10 levels
+                    width = max(1, cfg.diffusion.num_levels // 10)
+                    acc = res["levels"].setdefault(int(c.level) // width * width, [0, 0])
                     acc[0] += c.accepted
                     acc[1] += c.checked
                 res["specs"].append(spec)
