@@ -131,7 +131,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     if specs:
         paths["speculation"] = atomic_write_text(out / "speculation.json", json.dumps(
             {"settings": asdict(settings), "schedule": schedule.name, "rollouts": reports}, indent=1) + "\n")
-        paths["speculation_arms"] = plot_arms(specs, out / "speculation_arms.png",
+        paths["speculation_arms"] = plot_arms({settings.speculate: specs}, out / "speculation_arms.png",
                                               f"{settings.speculate}, draft {Path(settings.draft).name}, "
                                               f"{schedule.name}, eta {settings.eta}")
         summary["speculation"] = [{k: v for k, v in rep.items() if k not in ("arm_per_round", "rows_per_round_trace")}

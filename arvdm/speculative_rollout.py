@@ -372,28 +372,36 @@ def speculation_report(spec: Speculation, seconds: float, frames: int, level_bin
     return report
 
 
-def plot_arms(specs: Sequence[Speculation], path: str | os.PathLike, title: str = "") -> Path:
-    """Arms chosen over the rounds (top) and rows advanced per round (bottom), one line per rollout."""
+def plot_arms(runs: dict[str, Sequence[Speculation]], path: str | os.PathLike, title: str = "") -> Path:
+    """Arms chosen over the rounds (top) and rows advanced per round (bottom); one column per policy, its
+    rollouts one after another (dashed lines between them), since one policy learns across them."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     from data.episodes import atomic_write
 
-    fig = Figure(figsize=(8, 5), dpi=100)
+    fig = Figure(figsize=(5 * len(runs) + 1, 5), dpi=100)
     FigureCanvasAgg(fig)
-    ax_arm, ax_rows = fig.subplots(2, 1, sharex=True)
-    for i, spec in enumerate(specs):
-        arms = np.array([r.arm for r in spec.rounds])
-        rows = np.array([r.rows for r in spec.rounds])
-        ax_arm.plot(np.arange(len(arms)), arms + 0.08 * i, ".", ms=3, label=f"rollout {i}")
-        k = max(1, len(rows) // 20)  # running mean over ~5% of the rounds
-        ax_rows.plot(np.convolve(rows, np.ones(k) / k, mode="valid"), lw=1)
-    if specs:
-        ax_arm.set_yticks(range(len(specs[0].arms)), [f"L={L} {d}" for L, d in specs[0].arms])
-    ax_arm.set_ylabel("arm")
-    ax_rows.set_ylabel("rows / round (running mean)")
-    ax_rows.set_xlabel("round (one sequential target call)")
-    ax_arm.set_title(title or "speculation: arms over time")
+    axes = fig.subplots(2, len(runs), sharex="col", squeeze=False)
+    for col, (name, specs) in enumerate(runs.items()):
+        ax_arm, ax_rows = axes[0, col], axes[1, col]
+        arms = np.array([r.arm for spec in specs for r in spec.rounds])
+        rows = np.array([r.rows for spec in specs for r in spec.rounds])
+        ax_arm.plot(np.arange(len(arms)), arms, ".", ms=2)
+        k = max(1, len(rows) // 40)  # running mean over ~2.5% of the rounds
+        ax_rows.plot(np.arange(len(rows) - k + 1) + k // 2, np.convolve(rows, np.ones(k) / k, mode="valid"), lw=1)
+        edge = 0
+        for spec in specs[:-1]:
+            edge += len(spec.rounds)
+            for ax in (ax_arm, ax_rows):
+                ax.axvline(edge, color="grey", ls="--", lw=0.7)
+        if specs:
+            ax_arm.set_yticks(range(len(specs[0].arms)), [f"L={L} {d}" for L, d in specs[0].arms], fontsize=7)
+        ax_arm.set_title(name)
+        ax_rows.set_ylabel(f"rows / round (mean of {k})")
+        ax_rows.set_xlabel("round (one sequential target call); dashed: next rollout")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))

@@ -198,8 +198,8 @@ def main(argv=None) -> int:
     out = Path(args.out or Path(args.run) / "benchmarks" / "speculation")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "speculation.json", json.dumps({"args": vars(args), "results": out_json}, indent=1))
-    plot_arms(results["ucb"]["specs"] + results["exp3"]["specs"], out / "speculation_arms.png",
-              f"UCBSpec (first {n_rollouts}) and EXP3Spec rollouts, {schedule.name}, eta {args.eta}")
+    plot_arms({"UCBSpec": results["ucb"]["specs"], "EXP3Spec": results["exp3"]["specs"]},
+              out / "speculation_arms.png", f"{schedule.name}, {args.steps} steps, eta {args.eta}")
     plot_acceptance(out_json, out / "speculation_acceptance.png")
     print(f"\nwrote {out}/speculation.json, speculation_arms.png, speculation_acceptance.png")
     return 0
