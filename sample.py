@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     for i, rep in enumerate(result["summary"].get("speculation", [])):
         print(f"rollout {i}: {rep['target_rounds']} target rounds for {rep['rows']} rows "
-              f"({rep['rows_per_round']:.2f} rows/round, {rep['target_evaluations']} windows evaluated), "
+              f"({rep['rows_per_round']:.2f} rows/round, {rep['accepted_rows_per_round']:.2f} drafted rows accepted "
+              f"per round, {rep['target_evaluations']} windows evaluated), "
               f"acceptance {rep['acceptance']:.3f}, regret {rep['regret']['regret']:.1f} rounds vs best fixed arm "
               f"{rep['arms'][rep['regret']['best_arm']]}, {rep['frames_per_second']:.2f} frames/s")
     return 0

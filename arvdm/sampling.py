@@ -134,7 +134,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         paths["speculation_arms"] = plot_arms({settings.speculate: specs}, out / "speculation_arms.png",
                                               f"{settings.speculate}, draft {Path(settings.draft).name}, "
                                               f"{schedule.name}, eta {settings.eta}")
-        summary["speculation"] = [{k: v for k, v in rep.items() if k not in ("arm_per_round", "rows_per_round_trace")}
+        summary["speculation"] = [{k: v for k, v in rep.items() if not k.endswith("_trace") and k != "arm_per_round"}
                                   for rep in reports]
     if settings.evaluate:
         result = evaluate_rollout(fake, real, poses, context, window_reach=cfg.train.window)

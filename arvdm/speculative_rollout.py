@@ -127,6 +127,7 @@ class Speculation:
                 "draft_calls": sum(r.draft_calls for r in rounds), "rows": self.rows,
                 "rows_per_round": self.rows / max(1, len(rounds)),
                 "mean_reward": sum(r.rows for r in rounds) / max(1, len(rounds)),
+                "accepted_rows_per_round": sum(r.accepted for r in rounds) / max(1, len(rounds)),
                 "acceptance": sum(c.accepted for c in self.checks) / checked if checked else float("nan"),
                 "arm_counts": [sum(r.arm == i for r in rounds) for i in range(len(self.arms))]}
 
@@ -368,7 +369,8 @@ def speculation_report(spec: Speculation, seconds: float, frames: int, level_bin
         "acceptance_by_level": {str(k): v for k, v in spec.acceptance_by_level(level_bin).items()},
         "regret": hindsight_regret(arms, rewards, len(spec.arms)) if rewards else None,
         "seconds": seconds, "frames_per_second": frames / seconds if seconds > 0 else float("nan"),
-        "arm_per_round": arms, "rows_per_round_trace": rewards})
+        "arm_per_round": arms, "rows_per_round_trace": rewards,
+        "accepted_per_round_trace": [r.accepted for r in spec.rounds]})
     return report
 
 
