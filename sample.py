@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(needs --eta > 0)")
     p.add_argument("--draft", default="frozen", help="frozen (reuse the target's v) or a smaller run folder")
     p.add_argument("--lookaheads", default="1,2,3,4", help="the bandits' lookahead arms, comma-separated")
+    p.add_argument("--level-bins", type=int, default=1,
+                   help="> 1: one bandit per bin of the noise level a round starts from")
     args = p.parse_args(argv)
     try:
         lookaheads = tuple(int(v) for v in args.lookaheads.split(","))
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,
                               use_cache=not args.no_cache, evaluate=args.eval, data=args.data,
                               use_ema=not args.no_ema, device=args.device, speculate=args.speculate,
-                              draft=args.draft, lookaheads=lookaheads)
+                              draft=args.draft, lookaheads=lookaheads, level_bins=args.level_bins)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         result = sample_run(args.run, out, settings)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["ArmPolicy", "UCBSpec", "EXP3Spec", "FixedArm", "ucb_bonus", "stopping_time", "best_fixed_arm",
+__all__ = ["ArmPolicy", "UCBSpec", "EXP3Spec", "FixedArm", "PerContext", "ucb_bonus", "stopping_time", "best_fixed_arm",
            "stopping_time_regret", "hindsight_regret"]
 
 
@@ -151,6 +151,35 @@ class FixedArm(ArmPolicy):
 
     def update(self, arm: int, reward: float) -> None:
         self._check(arm)
+
+
+class PerContext(ArmPolicy):
+    """One independent copy of a policy per discrete context (e.g. a noise-level bin): ``set_context(c)``
+    before ``select``/``update``. For when the best arm depends on an observable state, which a single
+    context-free bandit (and a single fixed arm) can only average over.
+
+    Args:
+        make_policy: builds a fresh policy; called once per context (``make_policy(c)``).
+        n_contexts: contexts 0..n_contexts−1.
+    """
+
+    def __init__(self, make_policy, n_contexts: int):
+        if n_contexts < 1:
+            raise ValueError(f"PerContext needs n_contexts >= 1, got {n_contexts}")
+        self.policies = [make_policy(c) for c in range(n_contexts)]
+        self.n_arms = self.policies[0].n_arms
+        self.context = 0
+
+    def set_context(self, context: int) -> None:
+        if not 0 <= int(context) < len(self.policies):
+            raise ValueError(f"context {context} out of range 0..{len(self.policies) - 1}")
+        self.context = int(context)
+
+    def select(self) -> int:
+        return self.policies[self.context].select()
+
+    def update(self, arm: int, reward: float) -> None:
+        self.policies[self.context].update(arm, reward)
 
 
 # -- stopping-time regret (paper Eq. 1) ------------------------------------------------------------------

@@ -70,6 +70,7 @@ class SampleSettings:
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
     draft: str = FROZEN  # "frozen" or the folder of a smaller trained run used as the draft
     lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
+    level_bins: int = 1  # > 1: one bandit per bin of the noise level a round starts from
 
 
 def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings: SampleSettings) -> dict[str, Any]:
@@ -100,7 +101,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         spec = None
         if settings.speculate:
             drafts = {FROZEN: None} if draft_model is None else {Path(settings.draft).name: draft_model}
-            spec = make_speculation(settings.speculate, settings.lookaheads, drafts, seed=settings.seed + i)
+            spec = make_speculation(settings.speculate, settings.lookaheads, drafts, seed=settings.seed + i,
+                                    level_bins=settings.level_bins)
             if specs:  # one policy learns over all the rollouts; each rollout keeps its own record
                 spec.policy = specs[-1].policy
         t0 = time.perf_counter()

@@ -45,7 +45,7 @@ import torch
 from memory import MemoryBank, MemoryFrames
 from memory.cache import KVCache
 
-from .bandits import ArmPolicy, EXP3Spec, FixedArm, UCBSpec, hindsight_regret
+from .bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec, hindsight_regret
 from .diffusion import PerFrameDiffusion
 from .speculative import gaussian_accept_or_reflect
 
@@ -244,6 +244,10 @@ class SpeculativeRows:
         pos = torch.zeros(self.batch, dtype=torch.long, device=rows.device)  # (B,) row of every sample
         while int(pos.min()) < n_rows:
             t0 = time.perf_counter()
+            if hasattr(self.spec.policy, "set_context"):  # context = noise-level bin of the round's start
+                level = float(rows[int(pos.min())].double().mean())  # mean level of the slowest sample's row
+                bins = len(self.spec.policy.policies)
+                self.spec.policy.set_context(min(bins - 1, int(level * bins / (self.diffusion.num_levels + 1))))
             arm = self.spec.policy.select()
             lookahead, draft = self.spec.arms[arm]
             size = min(int(lookahead), n_rows - int(pos.min()))
@@ -322,7 +326,7 @@ class SpeculativeRows:
 # -- building and reporting ----------------------------------------------------------------------------------
 
 def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
-                     drafts: dict[str, Any] | None = None, seed: int = 0) -> Speculation:
+                     drafts: dict[str, Any] | None = None, seed: int = 0, level_bins: int = 1) -> Speculation:
     """A :class:`Speculation` from the CLI's words.
 
     Args:
@@ -332,6 +336,9 @@ def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
         drafts: draft name -> model, ``{FROZEN: None}`` for the frozen draft (the default). A bandit's arms are
             (1, no draft) and every (L > 1, draft).
         seed: seeds the accept tests' uniforms and EXP3's arm draws.
+        level_bins: > 1 gives a bandit one independent copy per bin of the noise level a round starts from
+            (the mean level of the window's row at the round's start; ``bandits.PerContext``): acceptance
+            depends on the noise level, so the best lookahead does too.
     """
     drafts = {FROZEN: None} if not drafts else dict(drafts)
     for name, model in drafts.items():
@@ -354,7 +361,13 @@ def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
         raise ValueError(f"lookaheads must be >= 1, got {list(lookaheads)}")
     arms = [(1, NO_DRAFT)] + [(L, name) for name in names for L in ls if L > 1]
     reward_range = max(1, ls[-1] - 1)  # rewards (rows per round) lie in [1, max L] ⊂ [1, L+1]
-    policy = UCBSpec(len(arms), reward_range) if mode == "ucb" else EXP3Spec(len(arms), reward_range, seed=seed)
+
+    def make_policy(context: int) -> ArmPolicy:
+        if mode == "ucb":
+            return UCBSpec(len(arms), reward_range)
+        return EXP3Spec(len(arms), reward_range, seed=seed + 1000 * context)
+
+    policy = make_policy(0) if level_bins <= 1 else PerContext(make_policy, int(level_bins))
     return Speculation(arms, policy, models, seed)
 
 

@@ -9,7 +9,8 @@ the rollouts are (eta > 0, default 1):
 
 - ``plain``: ``pipeline.rollout`` without speculation (one sequential target call per row);
 - ``fixed:L <draft>``: every round drafts L rows, one batched target call on the L drafted states;
-- ``ucb`` / ``exp3``: BanditSpec over the arms (L = 1 = no speculation, and every (L, draft)).
+- ``ucb`` / ``exp3``: BanditSpec over the arms (L = 1 = no speculation, and every (L, draft));
+- ``ucb/Nbins`` / ``exp3/Nbins`` (``--level-bins N``): one bandit per noise-level bin of the round's start.
 
 Reported per configuration: sequential target rounds per AR step (the latency a GPU cannot batch away),
 windows evaluated by the target (total compute), rows per round, acceptance of drafted rows, frames/s on
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--schedule", default="chunked")
     p.add_argument("--eta", type=float, default=1.0)
     p.add_argument("--lookaheads", default="2,3,4")
+    p.add_argument("--level-bins", type=int, default=4, help="also run the bandits with one copy per noise-level "
+                   "bin (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="auto")
@@ -118,7 +121,9 @@ def main(argv=None) -> int:
     if args.draft_run:
         drafts[Path(args.draft_run).name] = load_for_inference(args.draft_run, device=device)[0]
 
-    names = ["plain"] + [f"fixed:{L} {d}" for d in drafts for L in lookaheads] + ["ucb", "exp3"]
+    bandits = ["ucb", "exp3"] + ([f"ucb/{args.level_bins}bins", f"exp3/{args.level_bins}bins"]
+                                 if args.level_bins > 1 else [])
+    names = ["plain"] + [f"fixed:{L} {d}" for d in drafts for L in lookaheads] + bandits
     results = {n: {"rounds": 0, "evaluations": 0, "rows": 0, "seconds": 0.0, "accepted": 0, "checked": 0,
                    "levels": {}, "specs": []} for n in names}
     counter = CountingModel(model)
@@ -132,8 +137,10 @@ def main(argv=None) -> int:
             spec = None
             if name != "plain":
                 mode, _, draft = name.partition(" ")
+                mode, _, binned = mode.partition("/")
                 one = {draft: drafts[draft]} if draft else drafts
-                spec = make_speculation(mode, [1] + lookaheads, one, seed=args.seed + i)
+                spec = make_speculation(mode, [1] + lookaheads, one, seed=args.seed + i,
+                                        level_bins=args.level_bins if binned else 1)
                 if results[name]["specs"]:  # a bandit learns over the whole run
                     spec.policy = results[name]["specs"][-1].policy
             counter.calls = 0
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     fixed = {n: out_json[n]["target_rounds"] for n in names if n.startswith("fixed:")}
     best = min(fixed, key=fixed.get)
     print(f"\nbest fixed arm: {best} ({fixed[best]} rounds); plain: {plain_rounds} rounds")
-    for bandit in ("ucb", "exp3"):
+    for bandit in bandits:
         gap = out_json[bandit]["target_rounds"] / fixed[best] - 1
         hind = [_hindsight(s) for s in results[bandit]["specs"]]
         out_json[bandit]["gap_to_best_fixed_arm"] = gap
@@ -198,8 +205,10 @@ def main(argv=None) -> int:
     out = Path(args.out or Path(args.run) / "benchmarks" / "speculation")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "speculation.json", json.dumps({"args": vars(args), "results": out_json}, indent=1))
-    plot_arms({"UCBSpec": results["ucb"]["specs"], "EXP3Spec": results["exp3"]["specs"]},
-              out / "speculation_arms.png", f"{schedule.name}, {args.steps} steps, eta {args.eta}")
+    panels = {"UCBSpec": results["ucb"]["specs"], "EXP3Spec": results["exp3"]["specs"]}
+    if len(bandits) > 2:
+        panels[f"UCBSpec, {args.level_bins} level bins"] = results[bandits[2]]["specs"]
+    plot_arms(panels, out / "speculation_arms.png", f"{schedule.name}, {args.steps} steps, eta {args.eta}")
     plot_acceptance(out_json, out / "speculation_acceptance.png")
     print(f"\nwrote {out}/speculation.json, speculation_arms.png, speculation_acceptance.png")
     return 0

@@ -8,6 +8,7 @@ import pytest
 from arvdm.bandits import (
     EXP3Spec,
     FixedArm,
+    PerContext,
     UCBSpec,
     best_fixed_arm,
     hindsight_regret,
@@ -92,6 +93,25 @@ def test_exp3_sublinear_regret_on_adversarial_sequence():
     assert regret / T < 0.02  # under 2% of a round's best reward per round by T
     total = got.sum() * 0.9
     assert stopping_time_regret(got, table, total) < 0.05 * stopping_time(got, total)
+
+
+def test_per_context_learns_a_best_arm_per_context():
+    """Context 0 favours arm 2, context 1 favours arm 0: one copy per context finds both."""
+    policy = PerContext(lambda c: UCBSpec(4, L), 2)
+    rng = np.random.default_rng(0)
+    probs = {0: PROBS, 1: PROBS[::-1]}
+    late = {0: [], 1: []}
+    for t in range(40_000):
+        c = t % 2
+        policy.set_context(c)
+        arm = policy.select()
+        policy.update(arm, 1 + rng.binomial(L, probs[c][arm]))
+        if t >= 30_000:
+            late[c].append(arm)
+    assert np.mean(np.array(late[0]) == 2) > 0.9 and np.mean(np.array(late[1]) == 1) > 0.9
+    assert policy.policies[0].t == policy.policies[1].t == 20_000
+    with pytest.raises(ValueError, match="context 2"):
+        policy.set_context(2)
 
 
 def test_stopping_time_helpers():

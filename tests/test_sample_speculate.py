@@ -45,7 +45,7 @@ def test_speculate_cli_is_exact_and_writes_its_report(run, tmp_path, capsys):
     rep = json.loads((tmp_path / "same" / "speculation.json").read_text())["rollouts"][0]
     assert rep["acceptance"] == 1.0 and rep["target_rounds"] < rep["rows"]
     capsys.readouterr()
-    assert _sample(run, tmp_path / "ucb", "--speculate", "ucb", "--lookaheads", "2,4") == 0
+    assert _sample(run, tmp_path / "ucb", "--speculate", "ucb", "--lookaheads", "2,4", "--level-bins", "2") == 0
     printed = capsys.readouterr().out
     assert "target rounds for" in printed and "frames/s" in printed
     rep = json.loads((tmp_path / "ucb" / "speculation.json").read_text())["rollouts"][0]

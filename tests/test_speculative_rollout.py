@@ -13,7 +13,7 @@ from arvdm.diffusion import PerFrameDiffusion
 from arvdm.model import Denoiser
 from arvdm.pipeline import rollout
 from arvdm.schedules import chunked
-from arvdm.speculative_rollout import FROZEN, Speculation, tile_state
+from arvdm.speculative_rollout import FROZEN, Speculation, make_speculation, tile_state
 
 ALPHA = 1e-3
 K = 100
@@ -77,6 +77,20 @@ def test_linear_gaussian_chain_has_closed_form_law(draft_a, lookahead):
         assert 0.05 < s["acceptance"] < 0.95
     else:  # multi-row rounds: drafted states, their levels and the batched target call line up
         assert s["rows_per_round"] > 1.5
+
+
+def test_level_binned_bandit_uses_one_policy_per_noise_level_bin():
+    target, draft = LinearModel(0.5, 0.2), LinearModel(0.5003, 0.2)
+    spec = make_speculation("ucb", (1, 2, 4), {"d": draft}, level_bins=4)
+    b = 64
+    out = rollout(target, DIFF, chunked(1, K, 40), torch.zeros(b, 0, 1, 2, 2), torch.zeros(b, 0, dtype=torch.long),
+                  torch.zeros(b, 1, dtype=torch.long), 1, eta=1.0, generator=torch.Generator().manual_seed(0),
+                  progress=False, speculation=spec)
+    assert torch.isfinite(out).all()
+    rounds = [p.t for p in spec.policy.policies]  # rounds each level bin's bandit played
+    assert sum(rounds) == len(spec.rounds) and all(r > 0 for r in rounds)
+    starts = [r.row for r in spec.rounds]  # rows 0..39 go from level 100 down: bins 3, 2, 1, 0 in turn
+    assert starts == sorted(starts)
 
 
 def test_eta_zero_refused_with_reason():
