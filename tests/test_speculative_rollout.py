@@ -129,11 +129,11 @@ def tiny_inputs(b, seed=0):
     return ctx, torch.zeros(b, 2, dtype=torch.long), torch.randint(0, 4, (1, 6), generator=g).expand(b, -1)
 
 
-def tiny_rollout(model, b, seed, spec=None, n_frames=4, steps=4):
+def tiny_rollout(model, b, seed, spec=None, n_frames=4, steps=4, use_cache=True):
     ctx, ctx_act, act = tiny_inputs(b)
     return rollout(model, PerFrameDiffusion(model.cfg.diffusion), chunked(2, K, steps), ctx, ctx_act, act,
                    n_frames, eta=1.0, generator=torch.Generator().manual_seed(seed), progress=False,
-                   speculation=spec)
+                   speculation=spec, use_cache=use_cache)
 
 
 def test_draft_equal_to_target_reproduces_plain_sampling_bit_for_bit():
@@ -147,6 +147,11 @@ def test_draft_equal_to_target_reproduces_plain_sampling_bit_for_bit():
     assert s["rows"] == 8 and s["acceptance"] == 1.0 and s["arm_counts"][1] > 0
     # the no-speculation arm alone is exactly a plain rollout too
     assert torch.equal(tiny_rollout(model, 2, seed=3, spec=Speculation([(1, FROZEN)], FixedArm(1, 0))), plain)
+    # and without the KV cache (memory frames tiled for the batched call)
+    plain = tiny_rollout(model, 2, seed=4, use_cache=False)
+    spec = Speculation(arms=[(3, "self")], policy=FixedArm(1, 0), drafts={"self": model})
+    assert torch.equal(tiny_rollout(model, 2, seed=4, spec=spec, use_cache=False), plain)
+    assert spec.summary()["acceptance"] == 1.0
 
 
 def test_tiled_kv_state_equals_separate_calls():
