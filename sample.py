@@ -6,9 +6,12 @@
     python sample.py --run runs/tiny --no-cache                        # recompute memory every call (DF)
     python sample.py --run runs/tiny --hybrid 0.5 --eval               # half the temporal layers stream
     python sample.py --run runs/tiny --set hybrid.fraction=0.5 --set hybrid.select=offline --set hybrid.sink=1
+    python sample.py --run runs/tiny --eta 1 --speculate ucb           # exact speculative rows, UCBSpec
+    python sample.py --run runs/tiny --eta 1 --speculate fixed:3 --draft runs/small   # a smaller draft model
 
 Writes rollout.mp4, rollout.npz (`real`, `fake`), metrics.csv and, with --eval, eval.json into --out
-(default RUN/samples/<schedule>). The logic lives in arvdm.sampling.
+(default RUN/samples/<schedule>); with --speculate also speculation.json and speculation_arms.png. The logic
+lives in arvdm.sampling.
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="hybrid-attention setting (fraction, select, layers, sink, recent, last_frames, ratios)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the denoiser (a GPU speed-up; the first frames are slow to compile)")
+    p.add_argument("--speculate", default=None, metavar="ucb|exp3|fixed:L",
+                   help="exact speculative denoising rows, arm chosen by UCBSpec / EXP3Spec or fixed lookahead L "
+                        "(needs --eta > 0)")
+    p.add_argument("--draft", default="frozen", help="frozen (reuse the target's v) or a smaller run folder")
+    p.add_argument("--lookaheads", default="1,2,3,4", help="the bandits' lookahead arms, comma-separated")
+    p.add_argument("--level-bins", type=int, default=1,
+                   help="> 1: one bandit per bin of the noise level a round starts from")
     args = p.parse_args(argv)
     hybrid = {}
     for item in args.overrides:
@@ -65,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             hybrid[key.strip()[len("hybrid."):]] = raw
     if args.hybrid is not None:
         hybrid["fraction"] = args.hybrid
+    try:
+        lookaheads = tuple(int(v) for v in args.lookaheads.split(","))
+    except ValueError:
+        print(f"sample.py: error: --lookaheads {args.lookaheads!r}: expected comma-separated integers such as 1,2,4",
+              file=sys.stderr)
+        return 2
 
     from arvdm.sampling import SampleSettings, sample_run
 
@@ -72,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,
                               use_cache=not args.no_cache, evaluate=args.eval, data=args.data, split=args.split,
                               use_ema=not args.no_ema, device=args.device, hybrid=hybrid or None,
-                              compile=args.compile)
+                              compile=args.compile, speculate=args.speculate, draft=args.draft,
+                              lookaheads=lookaheads, level_bins=args.level_bins)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads
@@ -85,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(describe(result["summary"]["hybrid"]))
     print(json.dumps(result, indent=2))
+    for i, rep in enumerate(result["summary"].get("speculation", [])):
+        print(f"rollout {i}: {rep['target_rounds']} target rounds for {rep['rows']} rows "
+              f"({rep['rows_per_round']:.2f} rows/round, {rep['accepted_rows_per_round']:.2f} drafted rows accepted "
+              f"per round, {rep['target_evaluations']} windows evaluated), "
+              f"acceptance {rep['acceptance']:.3f}, regret {rep['regret']['regret']:.1f} rounds vs best fixed arm "
+              f"{rep['arms'][rep['regret']['best_arm']]}, {rep['frames_per_second']:.2f} frames/s")
     if "verdict" in result["summary"]:  # the model against copy-last and context-mean, in words
         print(f"sample.py: {result['summary']['verdict']}", file=sys.stderr)
     return 0

@@ -33,6 +33,7 @@ from memory import MemoryBank, RetentionPolicy
 
 from .diffusion import PerFrameDiffusion
 from .schedules import ARSchedule
+from .speculative_rollout import Speculation, SpeculativeRows
 
 __all__ = ["RolloutStep", "rollout"]
 
@@ -60,7 +61,8 @@ class RolloutStep(NamedTuple):
 def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, context: torch.Tensor,
             context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, *, eta: float = 0.0,
             generator: torch.Generator | None = None, use_cache: bool = True, progress: bool = True,
-            return_intermediate: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+            return_intermediate: bool = False, speculation: Speculation | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """Generate ``n_frames`` frames after ``context`` with a Meta-ARVDM schedule.
 
     Args:
@@ -80,7 +82,10 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
             fixed order, so a rollout is reproducible from the generator's seed.
         use_cache: True = the model's KV cache (``state``); False = recompute the memory at every call.
         progress: a tqdm bar over frames.
-        return_intermediate: also return one :class:`RolloutStep` per model call.
+        return_intermediate: also return one :class:`RolloutStep` per model call (not with ``speculation``:
+            there samples move through the rows at their own pace).
+        speculation: run the denoising rows speculatively (exact; needs eta > 0): see
+            :mod:`arvdm.speculative_rollout`. Its ``rounds`` / ``checks`` are filled in. None = plain rows.
 
     Returns:
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.
@@ -121,6 +126,19 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
 
         def call(x: torch.Tensor, levels: torch.Tensor, win_actions: torch.Tensor) -> torch.Tensor:
             return model(x, levels, win_actions, memory=bank.memory())  # the whole past, recomputed
+    spec_rows = None
+    if speculation is not None:  # its own functions; the plain path below stays as it is
+        if return_intermediate:
+            raise ValueError("return_intermediate is not available with speculation: samples move through the "
+                             "rows at their own pace, there is no single model call per row to record")
+        spec_rows = SpeculativeRows(speculation, model, diffusion, eta, generator, b,
+                                    lambda shape: _randn(shape, generator, device, dtype),
+                                    state=state if use_cache else None, bank=None if use_cache else bank)
+        plain_commit = commit
+
+        def commit(frames: torch.Tensor, frame_actions: torch.Tensor) -> None:
+            plain_commit(frames, frame_actions)
+            spec_rows.commit(frames, frame_actions)
     if n_ctx:
         commit(context, context_actions.to(device=device, dtype=torch.long))
 
@@ -148,6 +166,14 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
             x = x_new
         return x
 
+    if spec_rows is not None:
+        def run_rows_speculative(rows: torch.Tensor, stage: str, ar_step: int, offset: int) -> torch.Tensor:
+            nonlocal x
+            x = spec_rows.run_rows(x, rows, acts[:, offset:offset + w], stage, ar_step)
+            return x
+
+        run_rows = run_rows_speculative
+
     out: list[torch.Tensor] = []
     bar = tqdm(total=n_frames, unit="frame", desc=f"rollout ({schedule.name})", disable=not progress,
                leave=False)
@@ -166,6 +192,8 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
             commit(done, acts[:, offset:offset + delta])
             # Shift: the window keeps t^O[Δ:] = t^I[:w-Δ] (circularity); Δ new frames enter at level K.
             x = torch.cat([x[:, delta:], _randn((b, delta, *shape), generator, device, dtype)], dim=1)
+            if spec_rows is not None:
+                spec_rows.shift(delta)
     finally:
         bar.close()
     video = torch.cat(out, dim=1)[:, :n_frames]  # (B, n_frames, ch, H, W)

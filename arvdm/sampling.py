@@ -14,12 +14,17 @@ out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, 
 - ``metrics.csv``  per generated frame index (0 = first generated frame), mean over episodes: the model's
   PSNR and SSIM, the copy-last and context-mean baselines' (``psnr_copy_last``, ...) and the
   spatial-gradient ratio generated / real (``arvdm.baselines``);
-- ``eval.json``    with ``evaluate=True``: spans, max PSNR decay, revisit retrieval (see arvdm.metrics).
+- ``eval.json``    with ``evaluate=True``: spans, max PSNR decay, revisit retrieval, baselines (see arvdm.evaluate);
+- ``speculation.json`` and ``speculation_arms.png`` with ``speculate``: per rollout the target rounds
+  (sequential calls) and batched evaluations, rows per round, acceptance per noise level, the arms chosen
+  over time, the regret against the best fixed arm (estimated from the observed rounds) and frames/s.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +39,10 @@ from .checkpoint import load_for_inference, parse_device, resolve_data_path
 from .diffusion import PerFrameDiffusion
 from .evaluate import evaluate_rollout, write_eval_json
 from .hybrid import HybridModel, wrap_for_sampling
-from .metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, write_metrics_csv
+from .metrics import atomic_write_text, psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, write_metrics_csv
 from .pipeline import rollout
 from .schedules import get_schedule
+from .speculative_rollout import FROZEN, make_speculation, plot_arms, speculation_report
 from .video import filmstrip, side_by_side, to_uint8, write_image, write_video
 
 
@@ -63,6 +69,11 @@ class SampleSettings:
     progress: bool = True
     hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
     compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
+
+    speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
+    draft: str = FROZEN  # "frozen" or the folder of a smaller trained run used as the draft
+    lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
+    level_bins: int = 1  # > 1: one bandit per bin of the noise level a round starts from
 
     def validate(self) -> SampleSettings:
         """Check every setting before any work starts; errors name the sample.py flag."""
@@ -111,13 +122,26 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     if n_gen < 1:
         raise SamplingError(f"nothing to generate: episodes hold {real.shape[1]} frames and --context is {context}")
 
+    draft_model = _load_draft(settings, cfg, schedule, device) if settings.speculate else None
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
-    fakes = []
+    fakes, specs, reports = [], [], []
     for i in range(0, real.shape[0], settings.batch_size):
         r, a = real[i:i + settings.batch_size].to(device), actions[i:i + settings.batch_size].to(device)
+        spec = None
+        if settings.speculate:
+            drafts = {FROZEN: None} if draft_model is None else {Path(settings.draft).name: draft_model}
+            spec = make_speculation(settings.speculate, settings.lookaheads, drafts, seed=settings.seed + i,
+                                    level_bins=settings.level_bins)
+            if specs:  # one policy learns over all the rollouts; each rollout keeps its own record
+                spec.policy = specs[-1].policy
+        t0 = time.perf_counter()
         gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
                       eta=settings.eta, generator=generator, use_cache=settings.use_cache,
-                      progress=settings.progress)  # (b, n_gen, C, H, W)
+                      progress=settings.progress, speculation=spec)  # (b, n_gen, C, H, W)
+        if spec is not None:
+            specs.append(spec)
+            reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,
+                                              level_bin=max(1, cfg.diffusion.num_levels // 10)))
         fakes.append(gen.float().cpu())
     gen = torch.cat(fakes)  # (N, n_gen, C, H, W)
     fake = torch.cat([real[:, :context], gen], dim=1)  # (N, T, C, H, W): context frames are the given truth
@@ -146,6 +170,14 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
                        verdict=cmp["verdict"]["message"])
     if isinstance(model, HybridModel):
         summary["hybrid"] = model.summary()
+    if specs:
+        paths["speculation"] = atomic_write_text(out / "speculation.json", json.dumps(
+            {"settings": asdict(settings), "schedule": schedule.name, "rollouts": reports}, indent=1) + "\n")
+        paths["speculation_arms"] = plot_arms({settings.speculate: specs}, out / "speculation_arms.png",
+                                              f"{settings.speculate}, draft {Path(settings.draft).name}, "
+                                              f"{schedule.name}, eta {settings.eta}")
+        summary["speculation"] = [{k: v for k, v in rep.items() if not k.endswith("_trace") and k != "arm_per_round"}
+                                  for rep in reports]
     if settings.evaluate:
         result = evaluate_rollout(fake, real, poses, context, window_reach=cfg.train.window)
         paths["eval"] = write_eval_json(out / "eval.json", result, extra={
@@ -164,6 +196,24 @@ def compile_for_sampling(model: torch.nn.Module) -> torch.nn.Module:
     its first change, so a rollout compiles a handful of graphs, not one per frame.
     """
     return torch.compile(model)
+
+
+def _load_draft(settings: SampleSettings, cfg, schedule, device: torch.device):
+    """The draft network for ``--draft RUN`` (None for the frozen draft), checked against the target."""
+    if settings.eta <= 0:
+        raise SamplingError("--speculate needs --eta > 0: with eta = 0 every denoising transition is deterministic, "
+                            "a drafted row is accepted only if it equals the target's bit for bit, so speculation "
+                            "would save nothing (use e.g. --eta 1)")
+    if settings.draft == FROZEN:
+        return None
+    draft, dcfg = load_for_inference(settings.draft, use_ema=settings.use_ema, device=device)
+    for name, a, b in (("model.image_size", dcfg.model.image_size, cfg.model.image_size),
+                       ("model.num_actions", dcfg.model.num_actions, cfg.model.num_actions),
+                       ("diffusion.num_levels", dcfg.diffusion.num_levels, cfg.diffusion.num_levels)):
+        if a != b:
+            raise SamplingError(f"--draft {settings.draft}: its {name}={a} differs from the target's {b}")
+    draft.check_schedule(schedule.delta, schedule.window)
+    return draft
 
 
 def _strip_frames(context: int, total: int) -> list[int]:
