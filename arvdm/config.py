@@ -16,8 +16,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from arvdm.errors import ArvdmError
 
-class ConfigError(ValueError):
+
+class ConfigError(ArvdmError):
     """A configuration value is unknown, of the wrong type, or out of range."""
 
 

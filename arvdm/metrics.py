@@ -27,10 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from data.episodes import atomic_write
+from data.episodes import atomic_write_text
 
 __all__ = [
-    "atomic_write_text",
     "frechet_distance",
     "fvd",
     "gaussian_stats",
@@ -53,17 +52,6 @@ _FRAMES_PER_CALL = 256
 # --------------------------------------------------------------------------------------------------------
 # Atomic file writing
 # --------------------------------------------------------------------------------------------------------
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, then ``os.replace``.
-
-    A reader (or a resumed experiment) therefore sees either the old file or the complete new one, never a
-    half-written file. Parent folders are created. Returns the path.
-    """
-    path = Path(path)
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8", newline=""))
-    return path
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
@@ -39,6 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from arvdm.errors import USER_ERRORS, ArvdmError
 from data.episodes import atomic_write
 
 __all__ = [
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(ArvdmError):
     """A scheduling matrix violates one of the Meta-ARVDM conditions, or a schedule cannot be built/loaded.
 
     ``condition`` names the violated condition (``"shape"``, ``"integer"``, ``"range"``, ``"delta"``,
@@ -649,8 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot_presets(args.plot, window=args.window, num_levels=args.levels, steps=args.steps)
             print(f"wrote {args.plot}")
-    except ScheduleError as e:
-        print(f"error: {e}")
+    except USER_ERRORS as e:
+        print(f"python -m arvdm.schedules: error: {e}", file=sys.stderr)
         return 2
     return 0
 

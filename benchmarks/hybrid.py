@@ -58,11 +58,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
     from arvdm import hybrid as H
-    from arvdm.checkpoint import load_for_inference
     from arvdm.diffusion import PerFrameDiffusion
     from arvdm.metrics import psnr_per_frame, ssim_per_frame
     from arvdm.pipeline import rollout
-    from arvdm.sampling import load_validation_episodes
+    from arvdm.runs import load_for_inference, load_validation_episodes
     from arvdm.schedules import get_schedule
 
     dev = torch.device(args.device)

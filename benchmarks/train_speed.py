@@ -12,22 +12,17 @@ batch_size x window per step; memory frames are extra input on top.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train.py
-
 import argparse
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from arvdm.config import apply_overrides, get_preset
-from arvdm.training import Trainer
+from arvdm.runtime import setup_environment
 from data.episodes import write_episode
 
 
@@ -45,6 +40,12 @@ def synthetic_data(root: Path, cfg, episodes: int = 4) -> Path:
 
 
 def main() -> None:
+    setup_environment()  # before torch loads (OMP_WAIT_POLICY; see arvdm/runtime.py)
+    import torch
+
+    from arvdm.config import apply_overrides, get_preset
+    from arvdm.training import Trainer
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -27,12 +27,14 @@ from typing import BinaryIO
 
 import numpy as np
 
+from .errors import DataError
+
 EPISODE_SUFFIXES = (".npz", ".mp4")
 _ZIP_MAGIC = b"PK\x03\x04"
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps: same arrays -> same bytes
 
 
-class EpisodeError(ValueError):
+class EpisodeError(DataError):
     """An episode file is missing, truncated, not an npz/mp4, or holds arrays of the wrong key/dtype/shape."""
 
     def __init__(self, path, problem: str):
@@ -184,6 +186,13 @@ def atomic_write(path: Path, writer, suffix: str = ".tmp") -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically with `atomic_write`; parent folders are created."""
+    path = Path(path)
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8", newline=""))
+    return path
 
 
 # ------------------------------------------------------------------------------------------------
