@@ -268,7 +268,7 @@ def load_weights(module: torch.nn.Module, weights: str | os.PathLike | dict[str,
         try:
             tensors = load_file(str(source), device=str(device))
         except Exception as e:  # safetensors raises SafetensorError / OSError on a corrupt file
-            raise CheckpointError(f"{source}: not a readable safetensors file ({e})") from e
+            raise CheckpointError(f"{source}: cannot read: not a readable safetensors file ({e})") from e
     module = unwrap(module)
     own = module.state_dict()
     missing = sorted(set(own) - set(tensors))

@@ -154,6 +154,11 @@ def _load_lpips(weights_path: str | os.PathLike | None, net_type: str) -> torch.
     if key in _LPIPS_CACHE:
         return _LPIPS_CACHE[key]
 
+    # torchmetrics' private _LPIPS, not its public LearnedPerceptualImagePatchSimilarity: the public class
+    # (and the functional form) always build the backbone with torchvision's ImageNet weights through
+    # load_state_dict_from_url, which downloads unless torch.hub's cache holds a file of the name torchvision
+    # picks, and takes no path. Feeding it a local file would mean redirecting torch.hub's folder for the
+    # whole process, and a renamed file would then silently download. tests/test_metrics.py pins this use.
     from torchmetrics.functional.image.lpips import _LPIPS
 
     # pnet_rand=True: build the backbone without torchvision's ImageNet download; the LPIPS linear heads

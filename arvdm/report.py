@@ -526,8 +526,10 @@ def _table_columns(rows: Sequence[Mapping[str, Any]], extra: Sequence[str]) -> l
     return lead + retrieval + psnr + tail
 
 
-def _plots(out: Path, done: Sequence[Mapping[str, Any]], ref: Mapping[str, Any] | None) -> dict[str, Path]:
-    """The three plots and pareto.csv from the finished rows (`collect_results`)."""
+def _plots(out: Path, done: Sequence[Mapping[str, Any]], with_paper: bool) -> dict[str, Path]:
+    """The three plots and pareto.csv from the finished rows (`collect_results`); `with_paper` overlays
+    the paper's numbers."""
+    ref = paper_reference() if with_paper else None
     paths: dict[str, Path] = {}
     curves = {r["name"]: r["_curve"] for r in done if r["_curve"]}
     # the trivial predictors depend only on the episodes: draw the first cell's as reference lines
@@ -594,7 +596,7 @@ def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_refe
                                                     _table_columns(rows, extra))
     done = [r for r in rows if r["status"] == "done"]
     if done:
-        paths.update(_plots(out, done, paper_reference() if use_ref else None))
+        paths.update(_plots(out, done, use_ref))
     title = grid.name if grid is not None else out.name
     atomic_write_text(paths["md"], _results_md(title, rows, paths["md"].read_text(encoding="utf-8"), paths))
     if not quiet:

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
     from arvdm import hybrid as H
+    from arvdm import hybrid_report as HR
     from arvdm.diffusion import PerFrameDiffusion
     from arvdm.metrics import psnr_per_frame, ssim_per_frame
     from arvdm.pipeline import rollout
@@ -67,11 +68,11 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     model, cfg = load_for_inference(args.run, device=dev)
     overrides = ["hybrid.select=offline", *args.overrides, f"hybrid.fraction={args.fraction}"]
-    h = H._hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
+    h = HR._hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
     rpath = H.ratios_path(h, args.run)
     if h.select == "offline" and not rpath.is_file():
         print(f"no {rpath}: calibrating first", file=sys.stderr)
-        H.run_calibration(args.run, data=args.data, overrides=[o for o in args.overrides], device=args.device)
+        HR.run_calibration(args.run, data=args.data, overrides=[o for o in args.overrides], device=args.device)
     offline = H.load_lazy_ratios(rpath) if rpath.is_file() else None
     w = cfg.train.window
     ctx = args.context if args.context is not None else max(cfg.memory.length, w)  # the run's own memory
