@@ -160,3 +160,44 @@ def test_link_finder_sees_links_and_images_but_not_code(tmp_path):
     page.write_text("[a](docs/a.md) ![pic](img.png) [web](https://x.org) [top](#usage)\n"
                     "`[no](code.md)`\n```\n[no](block.md)\n```\n")
     assert relative_links(page) == ["docs/a.md", "img.png"]
+
+
+# -- one error family, one environment helper ------------------------------------------------------------
+
+def _error_classes() -> list[type]:
+    import importlib
+    import inspect
+
+    found = []
+    for name in project_modules():
+        if name.startswith("kernels"):
+            continue  # kernels raise plain ValueError/TypeError for a caller's bug (docs/INTERFACES.md)
+        module = importlib.import_module(name)
+        found += [obj for _, obj in inspect.getmembers(module, inspect.isclass)
+                  if issubclass(obj, Exception) and obj.__module__ == name]
+    return found
+
+
+def test_every_user_error_is_caught_by_the_clis():
+    from arvdm.errors import USER_ERRORS, ArvdmError
+    from data.errors import DataError
+
+    classes = _error_classes()
+    names = {c.__name__ for c in classes}
+    assert {"ConfigError", "CheckpointError", "ScheduleError", "SamplingError", "GridError", "HybridError",
+            "EpisodeError", "DatasetError", "GenerateError", "EnvUnavailable", "RetentionError"} <= names
+    assert not [c for c in classes if not issubclass(c, USER_ERRORS)]
+    for c in classes:  # each package's errors derive from its own base
+        base = ArvdmError if c.__module__.startswith("arvdm") else DataError if c.__module__.startswith("data") \
+            else Exception
+        assert issubclass(c, base), c
+
+
+def test_setup_environment_sets_defaults_and_keeps_the_users(monkeypatch):
+    from arvdm.runtime import THREAD_ENVIRONMENT, setup_environment
+
+    for key in THREAD_ENVIRONMENT:
+        monkeypatch.delenv(key, raising=False)
+    assert setup_environment() == THREAD_ENVIRONMENT
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert setup_environment()["OMP_WAIT_POLICY"] == "ACTIVE"
