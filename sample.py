@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads spin otherwise (see train.py)
+from arvdm.runtime import setup_environment
 
 
 def main(argv: list[str] | None = None) -> int:
+    setup_environment()  # before torch loads: OpenMP reads it once
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="run folder written by train.py (or one checkpoint folder)")
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    from arvdm.errors import USER_ERRORS
     from arvdm.sampling import SampleSettings, sample_run
 
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings.validate()  # every flag, before the model loads
         result = sample_run(args.run, out, settings)
-    except (ValueError, OSError) as err:  # user errors: flags, config, schedule, data, checkpoint, --out
+    except USER_ERRORS as err:  # flags, config, schedule, data, checkpoint, --out
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2
     if "hybrid" in result["summary"]:

@@ -23,17 +23,10 @@ Then: python sample.py --run runs/tiny
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-# Idle OpenMP threads spin-wait by default; on a CPU shared with other jobs that made a tiny model's
-# training step ~30x slower (1.1 s vs 0.04 s, measured on a loaded 2-core machine). An environment value
-# you set wins. It must be set before torch starts its thread pool, i.e. before the first torch import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from arvdm.checkpoint import CheckpointError, latest_checkpoint, load_config, parse_device
-from arvdm.config import ConfigError, apply_overrides, get_preset
+from arvdm.runtime import setup_environment
 
 ENV_ACTIONS = {"memory_maze": 6, "crafter": 17}
 
@@ -58,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace):
     """The run's Config: the preset (or, with --resume, the checkpoint's config) plus the overrides."""
+    from arvdm.checkpoint import CheckpointError, latest_checkpoint, load_config, parse_device
+    from arvdm.config import ConfigError, apply_overrides, get_preset
+
     out = args.out or f"runs/{args.preset}"
     # Every flag is checked here, before data generation, process groups or training start.
     if args.max_steps is not None and args.max_steps < 1:
@@ -89,30 +85,22 @@ def build_config(args: argparse.Namespace):
 
 
 def main(argv=None) -> int:
+    setup_environment()  # before torch loads: OpenMP reads it once
     args = parse_args(argv)
     # Imported after parsing so that --help is instant.
-    from arvdm.hybrid import HybridError
-    from arvdm.training import DistributedError, TrainingError, train
+    from arvdm.errors import USER_ERRORS
+    from arvdm.training import DistributedError, train
 
-    user_errors: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, TrainingError, HybridError)
-    try:  # the data package's own: corrupt/mis-shaped episode, bad split folder, generator problems
-        from data.dataset import DatasetError
-        from data.envs import EnvUnavailable
-        from data.episodes import EpisodeError
-        from data.generate import GenerateError
-        user_errors += (DatasetError, EpisodeError, GenerateError, EnvUnavailable)
-    except ImportError:
-        pass
     try:
         cfg, out = build_config(args)
         # Data is generated only for the default stand-in folder; an explicit --data must exist.
         train(cfg, out, resume=args.resume, generate_data=not args.data, device=args.device)
-    except user_errors as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
     except DistributedError as e:  # another rank died or hung: say so instead of a traceback or a hang
         print(f"train.py: error: {e}", file=sys.stderr)
         return 1
+    except USER_ERRORS as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("train.py: interrupted; continue with --resume from the last checkpoint", file=sys.stderr)
         return 130

@@ -3,7 +3,7 @@
 A checkpoint is one folder per saved step::
 
     run_dir/checkpoints/step_0000250/
-        model.safetensors   the trained weights           (Denoiser.save_pretrained)
+        model.safetensors   the trained weights           (save_pretrained)
         config.json         the full run Config            (rebuilds the model; sample.py reads it)
         ema.safetensors     the EMA weights, fp32          (what sampling uses by default)
         state.pt            optimizer, lr schedule, step, RNG states, data position
@@ -15,6 +15,11 @@ killed mid-write leaves a temp folder that `latest_checkpoint` ignores and the n
 Nothing from a checkpoint is ever unpickled: weights load through safetensors and the training state
 through ``torch.load(weights_only=True)`` (torch >= 2.6, CVE-2025-32434), which only rebuilds tensors,
 numbers, strings, lists, tuples and dicts. `save_checkpoint` checks that before it writes.
+
+Weights I/O lives here and only here: `save_pretrained` / `from_pretrained` / `load_weights` work on any
+module (``Denoiser.save_pretrained`` and ``Denoiser.from_pretrained`` delegate to them); files are written
+with `data.episodes.atomic_write`, folders by `write_folder_atomically`. This module imports no model
+code (`arvdm.sampling.load_for_inference` puts checkpoint and model together), so there is no circle.
 """
 
 from __future__ import annotations
@@ -31,13 +36,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from arvdm.config import Config, ConfigError
+from arvdm.errors import ArvdmError
+from data.episodes import atomic_write
 
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
 CKPT_DIRNAME = "checkpoints"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ArvdmError):
     """A run folder has no usable checkpoint, or a checkpoint does not fit its config."""
 
 
@@ -100,37 +109,91 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
         _check_weights_only(state)
     root = Path(run_dir) / CKPT_DIRNAME
     root.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_dir(run_dir, step)
     _remove_stale_temps(root)
-    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
-    tmp.mkdir()
 
-    model = unwrap(model)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(tmp)  # model.safetensors + config.json (the diffusers-style pair)
-    else:  # a bare nn.Module (tests, custom models): same files
-        save_file(state_dict_for_safetensors(model), str(tmp / "model.safetensors"))
-    # The full run Config always goes in config.json: it rebuilds the model and tells sample.py how it
-    # was trained. (Denoiser.save_pretrained writes the same Config; writing it here is harmless.)
-    (tmp / "config.json").write_text(cfg.to_json())
-    if ema is not None:
-        save_file(state_dict_for_safetensors(unwrap(ema)), str(tmp / "ema.safetensors"))
-    if state is not None:
-        torch.save(state, tmp / "state.pt")
+    def fill(folder: Path) -> None:
+        # The full run Config goes in config.json: it rebuilds the model and tells sample.py how it was trained.
+        save_pretrained(unwrap(model), folder, cfg)
+        if ema is not None:
+            atomic_write(folder / "ema.safetensors",
+                         lambda p: save_file(state_dict_for_safetensors(unwrap(ema)), str(p)))
+        if state is not None:
+            atomic_write(folder / "state.pt", lambda p: torch.save(state, p))
 
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving a step (e.g. a resumed run that reached it again): replace it
-        old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
-        os.rename(final, old)
-        shutil.rmtree(old)
-    os.rename(tmp, final)  # the "complete" mark
-    _fsync_dir(root)
-
+    final = write_folder_atomically(checkpoint_dir(run_dir, step), fill)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_folder_atomically(final: str | os.PathLike, fill) -> Path:
+    """Fill a temp folder beside `final` via ``fill(tmp)``, fsync it, then rename it to `final`.
+
+    The rename is the "complete" mark: readers see the old folder (or none) or the whole new one. An existing
+    `final` is replaced. A killed write leaves a ``.tmp-`` folder, which `save_checkpoint` removes.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. a resumed run that reached it again): replace it
+            old = final.parent / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+            shutil.rmtree(old)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(final.parent)
+    return final
+
+
+# -- weights I/O (diffusers-style save_pretrained / from_pretrained) ------------------------------------
+def save_pretrained(module: torch.nn.Module, directory: str | os.PathLike, cfg: Config | None = None) -> Path:
+    """Write `model.safetensors` + `config.json` (the whole Config; default ``module.cfg``) into `directory`.
+
+    A new folder is written under a temporary name and renamed into place; into an existing folder each
+    file is written to a temporary name, flushed and renamed over the old one (`atomic_write`).
+    """
+    directory = Path(directory)
+    cfg = cfg if cfg is not None else module.cfg
+    tensors = state_dict_for_safetensors(module)
+    config_text = cfg.to_json()
+
+    def fill(folder: Path) -> None:
+        atomic_write(folder / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+        atomic_write(folder / CONFIG_NAME, lambda p: p.write_text(config_text))
+
+    if directory.is_dir():
+        fill(directory)
+        return directory
+    return write_folder_atomically(directory, fill)
+
+
+def from_pretrained(model_cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu"):
+    """``model_cls(cfg)`` with the weights of `save_pretrained`'s folder (safetensors only; no pickle runs).
+
+    Raises:
+        CheckpointError: missing folder/files, unreadable config or weights, or weights that do not
+            match the model the config describes (missing/unexpected keys, wrong shapes).
+    """
+    directory = Path(directory)
+    cfg_path, w_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise CheckpointError(f"{directory}: no {p.name} (not a save_pretrained folder?)")
+    try:
+        cfg = Config.from_dict(json.loads(cfg_path.read_text()))
+    except (json.JSONDecodeError, ConfigError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{cfg_path}: unreadable config ({e})") from e
+    model = model_cls(cfg)
+    load_weights(model, w_path, device=map_location)
+    return model.to(map_location)
 
 
 def _remove_stale_temps(root: Path) -> None:
@@ -138,11 +201,6 @@ def _remove_stale_temps(root: Path) -> None:
     for p in root.iterdir():
         if p.name.startswith(TMP_PREFIX) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -195,30 +253,35 @@ def load_config(ckpt: str | os.PathLike) -> Config:
         raise CheckpointError(f"{path}: not a valid run config: {e}") from e
 
 
-def load_weights(module: torch.nn.Module, path: str | os.PathLike, *, what: str = "weights") -> None:
-    """Load a safetensors file into `module` strictly; a mismatch names the checkpoint and the keys."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing")
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from e
+def load_weights(module: torch.nn.Module, weights: str | os.PathLike | dict[str, torch.Tensor], *,
+                 what: str = "weights", device: str | torch.device = "cpu") -> None:
+    """Load a safetensors file (or a flat tensor dict) into `module` strictly.
+
+    Raises CheckpointError naming the file and, on a mismatch, the missing/unexpected keys and wrong shapes.
+    """
+    if isinstance(weights, dict):
+        tensors, source = weights, "state dict"
+    else:
+        source = Path(weights)
+        if not source.is_file():
+            raise CheckpointError(f"{source}: missing")
+        try:
+            tensors = load_file(str(source), device=str(device))
+        except Exception as e:  # safetensors raises SafetensorError / OSError on a corrupt file
+            raise CheckpointError(f"{source}: cannot read: not a readable safetensors file ({e})") from e
     module = unwrap(module)
     own = module.state_dict()
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
-    wrong = [f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}"
+    wrong = [f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(own[k].shape)}"
              for k in sorted(set(own) & set(tensors)) if tensors[k].shape != own[k].shape]
     if missing or unexpected or wrong:
-        parts = []
-        if wrong:
-            parts.append(f"{len(wrong)} shapes differ (file vs config), e.g. {wrong[0]}")
-        if missing:
-            parts.append(f"{len(missing)} tensors missing, e.g. {missing[0]}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected tensors, e.g. {unexpected[0]}")
-        raise CheckpointError(f"{path}: {what} do not match config.json beside them: " + "; ".join(parts))
+        def few(xs: list[str]) -> str:
+            return ", ".join(xs[:5]) + (f" ... (+{len(xs) - 5})" if len(xs) > 5 else "")
+        parts = [f"{name}: {few(xs)}" for name, xs in
+                 (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", wrong)) if xs]
+        raise CheckpointError(f"{source}: {what} do not match config.json (the model it describes): "
+                              + "; ".join(parts))
     module.load_state_dict(tensors, strict=True)
 
 
@@ -297,20 +360,3 @@ def resolve_data_path(cfg: Config, run_dir: str | os.PathLike | None = None, giv
     where = f" of run {run_folder(run_dir)}" if run_dir is not None else ""
     raise CheckpointError(f"the data{where} was not found: data.path={cfg.data.path!r}; tried:\n  {listing}\n"
                           f"pass {flag} DIR to point at the data (a folder with training/ and validation/)")
-
-
-def load_for_inference(run_dir: str | os.PathLike, use_ema: bool = True, device: str | torch.device = "cpu"):
-    """Rebuild the denoiser of a run (newest checkpoint) for sampling. Returns ``(model, cfg)``.
-
-    `run_dir` may also be one checkpoint folder. With `use_ema` the EMA weights are loaded when the
-    checkpoint has them (it does for every checkpoint train.py writes).
-    """
-    from arvdm.model import Denoiser  # imported here so checkpoint.py stays importable on its own
-
-    ckpt = resolve_checkpoint(run_dir)
-    cfg = load_config(ckpt)
-    model = Denoiser(cfg)
-    weights = ckpt / "ema.safetensors" if use_ema and (ckpt / "ema.safetensors").is_file() \
-        else ckpt / "model.safetensors"
-    load_weights(model, weights, what="EMA weights" if weights.name.startswith("ema") else "weights")
-    return model.to(device).eval(), cfg

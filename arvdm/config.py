@@ -16,8 +16,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from arvdm.errors import ArvdmError
 
-class ConfigError(ValueError):
+
+class ConfigError(ArvdmError):
     """A configuration value is unknown, of the wrong type, or out of range."""
 
 
@@ -250,11 +252,11 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The README's main job on a 2-core laptop CPU (data, training and a rollout in about 15 minutes; the
-    # measured figures are in benchmarks/RESULTS.md): Memory Maze at 32x32 from 48 generated mazes, a small
-    # conv U-Net (32 channels at 32 px, 64 at 16 px) around 2 transformer blocks on 8x8 tokens, where the
-    # temporal attention, the memory and the KV caches live; 4 memory + 4 window frames; lr 2e-3 with
-    # min-SNR-5 weighting (what made the model beat copy-last; see RESULTS.md for each change in dB).
+    # The README's main job on a laptop CPU (data, training and a rollout; timings in benchmarks/RESULTS.md):
+    # Memory Maze at 32x32 from 48 generated mazes, a small conv U-Net (32 channels at 32 px, 64 at 16 px)
+    # around 2 transformer blocks on 8x8 tokens, where the temporal attention, the memory and the KV caches
+    # live; 4 memory + 4 window frames; lr 2e-3 with min-SNR-5 weighting (what made the model beat
+    # copy-last; see RESULTS.md for each change in dB).
     "tiny": {
         "model.image_size": 32, "model.unet_channels": [32, 64], "model.patch_size": 2, "model.dim": 128,
         "model.depth": 2, "model.heads": 4,

@@ -20,11 +20,12 @@ from typing import Any
 
 from torch import Tensor
 
+from data.episodes import atomic_write_text
+
 from . import retrieval as R
 from .baselines import baseline_frames, compare_with_baselines
 from .metrics import (
     _check_videos,
-    atomic_write_text,
     max_psnr_decay,
     psnr_per_frame,
     ssim_per_frame,

@@ -8,6 +8,9 @@ KV caches cut at once and bounded from then on); the others keep the full memory
     python -m arvdm.hybrid report --run RUN         # heat map + fraction x selection table, plots
     python sample.py --run RUN --hybrid 0.5         # roll out with half of the layers streaming
 
+This module is the model side (measure, select, convert, wrap for sampling/training); calibration, the
+report and the CLI are in arvdm.hybrid_report.
+
 Library use (generic: any model whose temporal layers expose ``streaming`` and ``attention_probe``)::
 
     layers = temporal_layers(model)
@@ -23,7 +26,6 @@ layer calls after each attention kernel call with that call's log-sum-exp).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -31,9 +33,7 @@ import heapq
 import json
 import math
 import os
-import random
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 import kernels
+from arvdm.errors import ArvdmError
 from memory import RetentionPolicy
 
 from .config import Config, HybridConfig
@@ -52,7 +53,6 @@ __all__ = [
     "LazyRatioMeter",
     "RATIOS_NAME",
     "apply_for_training",
-    "calibrate",
     "convert",
     "layer_policies",
     "load_lazy_ratios",
@@ -66,7 +66,7 @@ __all__ = [
 RATIOS_NAME = "lazy_ratios.json"
 
 
-class HybridError(ValueError):
+class HybridError(ArvdmError):
     """A hybrid-attention setting cannot be served (no ratios, too short a context, a bad layer index...)."""
 
 
@@ -418,351 +418,7 @@ def wrap_for_sampling(model: Any, cfg: Config, run_dir: str | os.PathLike, overr
     return HybridModel(model, h, offline), h
 
 
-# ------------------------------------------------------------------------------------------------
-# offline calibration
-# ------------------------------------------------------------------------------------------------
+if __name__ == "__main__":  # the CLI lives in arvdm.hybrid_report; `python -m arvdm.hybrid` still works
+    from arvdm.hybrid_report import main
 
-
-@torch.no_grad()
-def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Tensor, *, memory: int,
-              levels: Sequence[int], hybrid: HybridConfig, seed: int = 0, progress: bool = True) -> dict[str, Any]:
-    """Lazy ratios per layer and denoising level over calibration clips (LightTransfer Eq. 1, offline).
-
-    Each clip (T = memory + window frames) is split into ``memory`` clean frames, given as ``memory=``, and
-    a window noised to one ``level`` for every frame; the meters read the window queries of the last
-    ``hybrid.last_frames`` frames. Returns the lazy_ratios.json content: per layer the mean and standard
-    deviation over (clip, level) pairs and the mean per level.
-    """
-    from tqdm.auto import tqdm
-
-    from memory import MemoryFrames
-
-    layers = temporal_layers(model)
-    n, t = clips.shape[:2]
-    w = t - memory
-    if w < 1:
-        raise HybridError(f"calibration clips of {t} frames leave no window after {memory} memory frames")
-    if memory + w - hybrid.last_frames <= hybrid.sink + hybrid.recent:
-        raise HybridError(f"calibration sees {memory} memory + {w} window frames: with hybrid.last_frames="
-                          f"{hybrid.last_frames} no query reaches past sink + recent = "
-                          f"{hybrid.sink + hybrid.recent} frames, so every ratio would be 1; use more --memory")
-    was_streaming = [layer.streaming for layer in layers]
-    convert(layers, [], sink=hybrid.sink, recent=hybrid.recent)
-    gen = torch.Generator().manual_seed(seed)
-    per = torch.full((len(layers), len(levels), n), float("nan"), dtype=torch.float64)  # (L, levels, clips)
-    try:
-        bar = tqdm(total=n * len(levels), desc="calibrate lazy ratios", disable=not progress, leave=False)
-        with measuring(layers, sink=hybrid.sink, recent=hybrid.recent, last_frames=hybrid.last_frames) as meters:
-            for c in range(n):
-                x0 = clips[c:c + 1, memory:]  # (1, w, C, H, W)
-                mem = MemoryFrames(clips[c:c + 1, :memory], actions[c:c + 1, :memory]) if memory else None
-                noise = torch.randn(x0.shape, generator=gen).to(x0)
-                for j, level in enumerate(levels):
-                    lv = torch.full((1, w), int(level), dtype=torch.long, device=x0.device)  # (1, w)
-                    x = diffusion.add_noise(x0, noise, lv) if level > 0 else x0
-                    model(x, lv, actions[c:c + 1, memory:], memory=mem)
-                    for i, m in enumerate(meters):  # the window call is each layer's last call
-                        per[i, j, c] = m.last_call_ratio()
-                        m.calls.clear()
-                    bar.update()
-        bar.close()
-    finally:
-        for layer, s in zip(layers, was_streaming):
-            layer.streaming = s
-    flat = per.reshape(len(layers), -1)  # (L, levels * clips)
-    return {
-        "format": "arvdm-lazy-ratios/1",
-        "sink": hybrid.sink, "recent": hybrid.recent, "last_frames": hybrid.last_frames,
-        "memory": memory, "window": w, "levels": [int(v) for v in levels], "clips": n,
-        "ratios": flat.mean(1).tolist(),
-        "layers": [{"layer": i, "mean": float(flat[i].mean()), "std": float(flat[i].std(unbiased=False)),
-                    "min": float(flat[i].min()), "max": float(flat[i].max()),
-                    "by_level": per[i].mean(1).tolist()} for i in range(len(layers))],
-    }
-
-
-def _load_run(run: str, device: str, use_ema: bool = True):
-    from .checkpoint import load_for_inference
-    from .diffusion import PerFrameDiffusion
-
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
-                       else ("cpu" if device == "auto" else device))
-    model, cfg = load_for_inference(run, use_ema=use_ema, device=dev)
-    return model, cfg, PerFrameDiffusion(cfg.diffusion), dev
-
-
-def _hybrid_from_args(cfg: Config, args) -> HybridConfig:
-    from .config import ConfigError, apply_overrides
-
-    c = copy.deepcopy(cfg)
-    sets = list(args.overrides or [])
-    bad = [s for s in sets if not s.strip().startswith("hybrid.")]
-    if bad:
-        raise HybridError(f"--set takes hybrid.* keys only here, got {bad}")
-    try:
-        apply_overrides(c, sets)
-        c.hybrid.validate()
-    except ConfigError as e:
-        raise HybridError(str(e)) from e
-    return c.hybrid
-
-
-def run_calibration(run: str, *, clips: int = 4, memory: int | None = None, levels: int = 5, data: str | None = None,
-                    overrides: Sequence[str] = (), device: str = "auto", out: str | None = None,
-                    progress: bool = True) -> Path:
-    """Calibrate a run's model on validation clips and write ``lazy_ratios.json`` (atomically)."""
-    from data.episodes import atomic_write
-
-    from .sampling import load_validation_episodes
-
-    model, cfg, diffusion, dev = _load_run(run, device)
-    h = _hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
-    m = cfg.memory.length if memory is None else memory
-    video, actions, _ = load_validation_episodes(data or cfg.data.path, cfg, clips, m, cfg.train.window)
-    K = cfg.diffusion.num_levels
-    lv = sorted({int(round(x)) for x in torch.linspace(0, K, levels).tolist()})
-    result = calibrate(model, diffusion, video.to(dev), actions.to(dev), memory=m, levels=lv, hybrid=h,
-                       progress=progress)
-    result["run"] = str(run)
-    path = Path(out) if out else _run_root(Path(run)) / RATIOS_NAME
-    text = json.dumps(result, indent=2)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-    return path
-
-
-# ------------------------------------------------------------------------------------------------
-# report
-# ------------------------------------------------------------------------------------------------
-
-
-def plot_heatmap(ratios: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Heat map of lazy ratios, layers (rows) x denoising levels (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    grid = [layer["by_level"] for layer in ratios["layers"]]  # (L, levels)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(ratios["levels"]), 1.2 + 0.5 * len(grid)))
-    im = ax.imshow(grid, vmin=min(min(r) for r in grid), vmax=1.0, cmap="viridis", aspect="auto")
-    for i, row in enumerate(grid):
-        for j, v in enumerate(row):
-            ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="w" if v < 0.5 * (1 + min(row)) else "k",
-                    fontsize=8)
-    ax.set_xticks(range(len(ratios["levels"])), [str(v) for v in ratios["levels"]])
-    ax.set_yticks(range(len(grid)), [f"layer {i}" for i in range(len(grid))])
-    ax.set_xlabel("denoising level of the window (0 = clean)")
-    ax.set_title(f"lazy ratio (kept mass, sink {ratios['sink']} + recent {ratios['recent']} frames)")
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
-
-
-def selection_strategies(ratios: Sequence[float], fraction: float, seed: int = 0) -> dict[str, list[int]]:
-    """LightTransfer Fig. 7's comparison: lazy-ratio selection vs a random choice vs the last layers."""
-    n, k = len(ratios), num_streaming(len(ratios), fraction)
-    return {"lazy": select_layers(ratios, fraction),
-            "random": sorted(random.Random(seed).sample(range(n), k)),
-            "last": list(range(n - k, n))}
-
-
-@torch.no_grad()
-def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75), episodes: int = 2,
-               frames: int = 48, context: int | None = None, steps: int = 10, schedule: str = "chunked",
-               data: str | None = None, overrides: Sequence[str] = (), device: str = "auto",
-               out: str | None = None, seed: int = 0, memory: int | None = None,
-               pareto_with: str | None = None, progress: bool = True) -> dict[str, Path]:
-    """Heat map, table and plots of hybrid attention for a run (see the module docstring).
-
-    ``memory`` (default: the run's) makes the full layers and the bank keep the last ``memory`` frames.
-    ``pareto_with``: an ``arvdm.experiments`` output folder (or its pareto.csv) whose points join the
-    hybrid points on one Pareto plot.
-    """
-    from data.episodes import atomic_write
-
-    from .evaluate import evaluate_rollout
-    from .pareto import plot_pareto, write_results_table
-    from .pipeline import rollout
-    from .sampling import load_validation_episodes
-    from .schedules import get_schedule
-
-    model, cfg, diffusion, dev = _load_run(run, device)
-    h = _hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
-    out_dir = Path(out) if out else _run_root(Path(run)) / "hybrid"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if memory is not None:
-        for m in (model.cfg.memory, cfg.memory):
-            m.retention, m.length = "last", memory
-    rpath = ratios_path(h, run)
-    if not rpath.is_file():
-        rpath = run_calibration(run, overrides=overrides, device=device, data=data, progress=progress)
-    ratios = load_lazy_ratios(rpath)
-    if (ratios["sink"], ratios["recent"]) != (h.sink, h.recent):
-        print(f"note: {rpath} was measured with sink {ratios['sink']} + recent {ratios['recent']}, the report "
-              f"streams sink {h.sink} + recent {h.recent}", file=sys.stderr)
-    paths = {"heatmap": plot_heatmap(ratios, out_dir / "lazy_ratios.png")}
-
-    sched = get_schedule(schedule, cfg.train.window, cfg.diffusion.num_levels, steps)
-    c = cfg.model.frames_per_chunk
-    ctx = context if context is not None else max(min(cfg.memory.length, 16), c)
-    real, actions, poses = load_validation_episodes(data or cfg.data.path, cfg, episodes, ctx, frames)
-    configs, counts = [("base", 0.0, [])], {0}
-    for f in fractions:  # a shallow model maps several fractions to one layer count: keep the first
-        if num_streaming(len(ratios["ratios"]), f) not in counts:
-            counts.add(num_streaming(len(ratios["ratios"]), f))
-            configs += [(name, f, layers) for name, layers in selection_strategies(ratios["ratios"], f, seed).items()]
-    rows, points = [], []
-    # one untimed warm-up rollout, so the first configuration's frames/s does not pay for first calls
-    rollout(model, diffusion, sched, real[:1, :ctx].to(dev), actions[:1, :ctx].to(dev), actions[:1, ctx:].to(dev),
-            min(frames, sched.delta), generator=torch.Generator().manual_seed(seed), progress=False)
-    for name, f, layers in tqdm_list(configs, "hybrid report", progress):
-        hm = HybridModel(model, dataclasses.replace(h, fraction=f, select="fixed", layers=layers), ratios)
-        gen = torch.Generator().manual_seed(seed)
-        t0 = time.perf_counter()
-        fake = rollout(hm, diffusion, sched, real[:, :ctx].to(dev), actions[:, :ctx].to(dev),
-                       actions[:, ctx:].to(dev), frames, generator=gen, progress=False).float().cpu()
-        seconds = time.perf_counter() - t0
-        ev = evaluate_rollout(fake, real, poses, ctx, window_reach=cfg.train.window)
-        row = {"selection": name, "fraction": f, "memory": cfg.memory.length,
-               "layers": " ".join(map(str, layers)) or "-",
-               "frames_per_s": real.shape[0] * frames / seconds, "kv_bytes": hm.last_state.nbytes(),
-               "psnr_mean": ev["psnr_mean"], "ssim_mean": ev["ssim_mean"],
-               "max_psnr_decay": ev["max_psnr_decay"], "retrieval_mean": ev.get("retrieval_mean")}
-        for s_p, s_s in zip(ev["psnr_by_span"], ev["ssim_by_span"]):
-            row[f"psnr {s_p['label']}"], row[f"ssim {s_s['label']}"] = s_p["mean"], s_s["mean"]
-        rows.append(row)
-        points.append({"name": f"hybrid {name} {f:g}" if f else "base", "x": ev["max_psnr_decay"],
-                       "y": ev.get("retrieval_mean")})
-        hm.restore()
-    base = rows[0]
-    for row in rows:
-        row["kv_vs_base"] = row["kv_bytes"] / base["kv_bytes"] if base["kv_bytes"] else float("nan")
-        row["speed_vs_base"] = row["frames_per_s"] / base["frames_per_s"]
-        row["psnr_loss_db"] = base["psnr_mean"] - row["psnr_mean"]
-    paths["table"] = write_results_table(rows, out_dir / "hybrid_report.csv", out_dir / "hybrid_report.md")[1]
-    text = json.dumps({"run": str(run), "ratios_file": str(rpath), "sink": h.sink, "recent": h.recent,
-                       "context": ctx, "frames": frames, "schedule": sched.name, "steps": steps,
-                       "rows": rows}, indent=2, default=float)
-    atomic_write(out_dir / "hybrid_report.json", lambda tmp: Path(tmp).write_text(text))
-    paths["json"] = out_dir / "hybrid_report.json"
-    paths["pareto"] = out_dir / "pareto_hybrid.png"
-    if pareto_with:
-        points = _experiment_points(pareto_with) + points
-    plot_pareto(points, paths["pareto"], csv_path=out_dir / "pareto_hybrid.csv",
-                title="hybrid attention: error accumulation vs memory bottleneck")
-    paths["tradeoff"] = plot_tradeoff(rows, out_dir / "hybrid_tradeoff.png")
-    return paths
-
-
-def _experiment_points(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Pareto points of an ``arvdm.experiments`` report (its pareto.csv)."""
-    import csv
-
-    path = Path(path)
-    path = path / "pareto.csv" if path.is_dir() else path
-    if not path.is_file():
-        raise HybridError(f"{path}: no pareto.csv (write one with `python -m arvdm.experiments report`)")
-
-    def num(v):
-        return float(v) if v not in ("", None) else None
-
-    with open(path, newline="") as f:
-        return [{"name": r["name"], "x": num(r["max_psnr_decay"]), "y": num(r["mean_retrieval_rate"])}
-                for r in csv.DictReader(f)]
-
-
-def tqdm_list(items, desc, progress):
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, disable=not progress, leave=False)
-
-
-def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """PSNR vs KV-cache bytes (left) and vs frames/s (right), one line per selection strategy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    base = [r for r in rows if r["selection"] == "base"]
-    for name, marker in (("lazy", "o"), ("random", "s"), ("last", "^")):
-        sel = base + sorted((r for r in rows if r["selection"] == name), key=lambda r: r["fraction"])
-        for ax, key in zip(axes, ("kv_vs_base", "speed_vs_base")):
-            ax.plot([r[key] for r in sel], [r["psnr_mean"] for r in sel], marker=marker, label=name)
-            for r in sel:
-                ax.annotate(f"{r['fraction']:g}", (r[key], r["psnr_mean"]), fontsize=7)
-    axes[0].set_xlabel("KV-cache bytes / base")
-    axes[1].set_xlabel("frames/s / base")
-    for ax in axes:
-        ax.set_ylabel("mean PSNR (dB)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.suptitle("hybrid attention: streaming fraction (labels) by selection")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
-
-
-# ------------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m arvdm.hybrid", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, help_ in (("calibrate", "offline lazy ratios on validation clips -> RUN/lazy_ratios.json"),
-                        ("report", "heat map + fraction x selection table (frames/s, KV bytes, PSNR/SSIM)")):
-        s = sub.add_parser(name, help=help_)
-        s.add_argument("--run", required=True, help="run folder written by train.py (or one checkpoint)")
-        s.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
-        s.add_argument("--set", dest="overrides", action="append", default=[], metavar="hybrid.KEY=VALUE",
-                       help="hybrid setting, e.g. hybrid.sink=2 (repeatable)")
-        s.add_argument("--device", default="auto")
-        s.add_argument("--out", default=None)
-    cal = sub.choices["calibrate"]
-    cal.add_argument("--clips", type=int, default=4, help="validation clips (one per episode)")
-    cal.add_argument("--memory", type=int, default=None, help="memory frames per clip (default memory.length)")
-    cal.add_argument("--levels", type=int, default=5, help="denoising levels, evenly spaced over 0..K")
-    rep = sub.choices["report"]
-    rep.add_argument("--episodes", type=int, default=2)
-    rep.add_argument("--frames", type=int, default=48)
-    rep.add_argument("--context", type=int, default=None)
-    rep.add_argument("--steps", type=int, default=10)
-    rep.add_argument("--schedule", default="chunked")
-    rep.add_argument("--memory", type=int, default=None, help="frames the full layers keep (default: the run's)")
-    rep.add_argument("--pareto-with", default=None, metavar="EXPERIMENTS_OUT",
-                     help="an arvdm.experiments output folder: its points join the hybrid Pareto plot")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "calibrate":
-            path = run_calibration(args.run, clips=args.clips, memory=args.memory, levels=args.levels,
-                                   data=args.data, overrides=args.overrides, device=args.device, out=args.out)
-            data = load_lazy_ratios(path)
-            print(f"wrote {path}")
-            for layer in data["layers"]:
-                print(f"layer {layer['layer']}: lazy ratio {layer['mean']:.4f} +- {layer['std']:.4f} "
-                      f"(by level {', '.join(f'{v:.3f}' for v in layer['by_level'])})")
-        else:
-            paths = run_report(args.run, episodes=args.episodes, frames=args.frames, context=args.context,
-                               steps=args.steps, schedule=args.schedule, data=args.data, overrides=args.overrides,
-                               device=args.device, out=args.out, memory=args.memory,
-                               pareto_with=args.pareto_with)
-            for k, v in paths.items():
-                print(f"{k}: {v}")
-    except (ValueError, FileNotFoundError) as err:  # user errors: run, data, settings
-        print(f"python -m arvdm.hybrid: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

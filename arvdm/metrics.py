@@ -27,10 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from data.episodes import atomic_write
+from data.episodes import atomic_write_text
 
 __all__ = [
-    "atomic_write_text",
     "frechet_distance",
     "fvd",
     "gaussian_stats",
@@ -53,17 +52,6 @@ _FRAMES_PER_CALL = 256
 # --------------------------------------------------------------------------------------------------------
 # Atomic file writing
 # --------------------------------------------------------------------------------------------------------
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, then ``os.replace``.
-
-    A reader (or a resumed experiment) therefore sees either the old file or the complete new one, never a
-    half-written file. Parent folders are created. Returns the path.
-    """
-    path = Path(path)
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8", newline=""))
-    return path
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -166,6 +154,11 @@ def _load_lpips(weights_path: str | os.PathLike | None, net_type: str) -> torch.
     if key in _LPIPS_CACHE:
         return _LPIPS_CACHE[key]
 
+    # torchmetrics' private _LPIPS, not its public LearnedPerceptualImagePatchSimilarity: the public class
+    # (and the functional form) always build the backbone with torchvision's ImageNet weights through
+    # load_state_dict_from_url, which downloads unless torch.hub's cache holds a file of the name torchvision
+    # picks, and takes no path. Feeding it a local file would mean redirecting torch.hub's folder for the
+    # whole process, and a renamed file would then silently download. tests/test_metrics.py pins this use.
     from torchmetrics.functional.image.lpips import _LPIPS
 
     # pnet_rand=True: build the backbone without torchvision's ImageNet download; the LPIPS linear heads

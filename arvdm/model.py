@@ -34,14 +34,12 @@ Memory frames are encoded by the same ConvEncoder at level 0 (their skips are no
 
 Cached rollouts (`init_state` / `commit`) keep, per layer, the keys/values of committed frames
 (prepend), or the memory projection / cross-attention K/V (the other structures), so a denoising step
-costs O(window + memory).
+costs O(window + memory). See docs/model_and_memory.md for the cache semantics.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,19 +49,18 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import kernels
+from arvdm import checkpoint
 from arvdm.checkpoint import CheckpointError
 from arvdm.checks import value_checks_enabled
 from arvdm.config import Config, ConfigError
+from arvdm.errors import ArvdmError
 from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy, build_compressor
 from memory.compress import sinusoidal
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 
 __all__ = ["CheckpointError", "Denoiser", "DenoiserError", "MemoryFrames", "RolloutState"]
 
 
-class DenoiserError(ValueError):
+class DenoiserError(ArvdmError):
     """An input to the denoiser has the wrong shape/range, or a schedule it cannot serve."""
 
 
@@ -757,78 +754,16 @@ class Denoiser(nn.Module):
         else:
             state.cross_kv = self._cross_kv(mem) if mem is not None else None
 
-    # -- checkpoints -------------------------------------------------------------------------------
+    # -- checkpoints (the I/O lives in arvdm/checkpoint.py) --------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write `model.safetensors` + `config.json` (the whole Config) into `directory`, atomically.
-
-        A new folder is written under a temporary name and renamed into place; into an existing folder
-        each file is written to a temporary name, flushed, and renamed over the old one.
-        """
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        config_text = self.cfg.to_json()
-
-        def write(folder: Path) -> None:
-            for name, writer in ((WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"})),
-                                 (CONFIG_NAME, lambda p: p.write_text(config_text))):
-                tmp = folder / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
-                writer(tmp)
-                with open(tmp, "rb") as fh:
-                    os.fsync(fh.fileno())
-                os.replace(tmp, folder / name)
-
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        if directory.exists():
-            write(directory)
-        else:
-            tmp_dir = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-            tmp_dir.mkdir()
-            write(tmp_dir)
-            os.rename(tmp_dir, directory)  # the rename is the "complete" mark
-        return directory
+        """Write `model.safetensors` + `config.json` into `directory`, atomically (`checkpoint.save_pretrained`)."""
+        return checkpoint.save_pretrained(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> Denoiser:
-        """Rebuild a model from `save_pretrained`'s folder (safetensors only; no pickle is executed).
-
-        Raises:
-            CheckpointError: missing folder/files, unreadable config or weights, or weights that do not
-                match the model the config describes (missing/unexpected keys, wrong shapes).
-        """
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        cfg_path, w_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-        for p in (cfg_path, w_path):
-            if not p.is_file():
-                raise CheckpointError(f"{directory}: no {p.name} (not a save_pretrained folder?)")
-        try:
-            cfg = Config.from_dict(json.loads(cfg_path.read_text()))
-        except (json.JSONDecodeError, ConfigError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{cfg_path}: unreadable config ({e})") from e
-        model = cls(cfg)
-        try:
-            tensors = load_file(str(w_path), device=str(map_location))
-        except Exception as e:  # safetensors raises SafetensorError / OSError on a corrupt file
-            raise CheckpointError(f"{w_path}: not a readable safetensors file ({e})") from e
-        model.load_weights(tensors, source=str(w_path))
-        return model.to(map_location)
+        """Rebuild a model from `save_pretrained`'s folder (`checkpoint.from_pretrained`; safetensors only)."""
+        return checkpoint.from_pretrained(cls, directory, map_location)
 
     def load_weights(self, tensors: dict[str, torch.Tensor], source: str = "state dict") -> None:
-        """Load a flat tensor dict strictly, with an error that lists what does not match."""
-        own = self.state_dict()
-        missing = sorted(set(own) - set(tensors))
-        unexpected = sorted(set(tensors) - set(own))
-        wrong = sorted(f"{k}: checkpoint {tuple(tensors[k].shape)} vs model {tuple(own[k].shape)}"
-                       for k in set(own) & set(tensors) if tensors[k].shape != own[k].shape)
-        if missing or unexpected or wrong:
-            def few(xs):
-                return ", ".join(xs[:5]) + (f" ... (+{len(xs) - 5})" if len(xs) > 5 else "")
-            parts = [f"missing keys: {few(missing)}" if missing else "",
-                     f"unexpected keys: {few(unexpected)}" if unexpected else "",
-                     f"shape mismatches: {few(wrong)}" if wrong else ""]
-            raise CheckpointError(f"{source} does not match the model of its config: "
-                                  + "; ".join(p for p in parts if p))
-        self.load_state_dict(tensors, strict=True)
+        """Load a flat tensor dict strictly (`checkpoint.load_weights`), naming what does not match."""
+        checkpoint.load_weights(self, tensors, what=f"weights ({source})")

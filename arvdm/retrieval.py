@@ -405,12 +405,8 @@ def evaluate_retrieval(
             f"do not fit context={context}"
         )
     settings = {
-        "pos_tol": pos_tol,
-        "heading_tol": heading_tol,
-        "window_reach": window_reach,
-        "match": match,
-        "criterion": criterion,
-        "n_distractors": n_distractors if criterion == "rank" else None,
+        "pos_tol": pos_tol, "heading_tol": heading_tol, "window_reach": window_reach, "match": match,
+        "criterion": criterion, "n_distractors": n_distractors if criterion == "rank" else None,
         "compare": ("SSIM(generated[t], real[t]) > SSIM(generated[t], real[d]) for every distractor d"
                     if criterion == "rank" else "SSIM(generated[t], real[t]) >= threshold"),
     }
@@ -418,17 +414,7 @@ def evaluate_retrieval(
         raise ValueError(f"evaluate_retrieval: criterion must be rank or threshold, got {criterion!r}")
     if criterion == "rank" and n_distractors < 1:
         raise ValueError(f"evaluate_retrieval: n_distractors must be >= 1, got {n_distractors}")
-    empty = {
-        "retrieval_by_span": retrieval_by_span([], [], bins),
-        "retrieval_mean": None,
-        "retrieval_overall": None,
-        "retrieval_threshold": threshold,
-        "retrieval_calibration": {"source": "given"} if threshold is not None else None,
-        "retrieval_settings": settings,
-        "n_probes": 0,
-        "retrieval_chance": 1.0 / (n_distractors + 1) if criterion == "rank" else None,
-        "needle": {"n": 0, "hits": 0, "rate": None, "probes": []},
-    }
+    empty = _empty_result(bins, threshold, settings, criterion, n_distractors)
     if poses is None:
         return {**empty, "retrieval_skipped": "no poses given"}
     p = _check_poses(poses, "evaluate_retrieval")
@@ -436,53 +422,24 @@ def evaluate_retrieval(
         raise ValueError(f"evaluate_retrieval: poses {tuple(p.shape)} do not fit real {tuple(real.shape)}")
 
     probes = find_revisits(p, pos_tol, heading_tol, window_reach, start=context, match=match)
-    needles = []
-    for e in range(b):
-        nd = needle_probe(real[e], p[e], context, pos_tol, heading_tol, window_reach)
-        if nd is not None:
-            needles.append({**nd, "b": e})
+    needles = [{**nd, "b": e} for e in range(b)
+               if (nd := needle_probe(real[e], p[e], context, pos_tol, heading_tol, window_reach)) is not None]
 
-    calibration: dict[str, Any] | None
     if threshold is not None:
-        calibration = {"source": "given"}
+        calibration: dict[str, Any] = {"source": "given"}
     else:
-        # Calibrate on the ground truth: true pairs are the probes' (real[t], real[s]); random pairs are
-        # drawn from the same episodes with a fixed seed so the threshold is reproducible.
-        g = torch.Generator().manual_seed(seed)
-        true_a, true_b, rand_a, rand_b = [], [], [], []
-        for e in range(b):
-            mine = [pr for pr in probes if pr.b == e]
-            if not mine:
-                continue
-            true_a.append(real[e, [pr.t for pr in mine]])
-            true_b.append(real[e, [pr.s for pr in mine]])
-            rp = _random_pairs(pose_match_matrix(p[e], pos_tol, heading_tol), mine, window_reach,
-                               n_random_per_probe, g)
-            if rp:
-                rand_a.append(real[e, [t for t, _ in rp]])
-                rand_b.append(real[e, [r for _, r in rp]])
-        if not true_a or not rand_a:
+        calibration = _calibrate_on_ground_truth(real, p, probes, pos_tol, heading_tol, window_reach,
+                                                 n_random_per_probe, seed)
+        if calibration is None:
             return {**empty, "retrieval_skipped": "no revisit probes (or no random pairs) to calibrate on",
                     "n_probes": len(probes)}
-        calibration = calibrate_threshold(
-            pair_ssim(torch.cat(true_a), torch.cat(true_b)), pair_ssim(torch.cat(rand_a), torch.cat(rand_b))
-        )
-        calibration["source"] = "calibrated on ground-truth revisit pairs vs random pairs of these episodes"
         threshold = calibration["threshold"]
 
     if not probes:
         result = {**empty, "retrieval_threshold": threshold, "retrieval_calibration": calibration}
     else:
-        # One SSIM per probe: generated frame t against ground-truth frame t.
-        ga = torch.stack([gen[pr.b, pr.t - context] for pr in probes])  # (P, C, H, W)
-        ra = torch.stack([real[pr.b, pr.t] for pr in probes])  # (P, C, H, W)
-        scores = pair_ssim(ga, ra)  # (P,)
-        if criterion == "threshold":
-            ok = scores >= threshold
-        else:
-            kept, ok = _rank_retrieved(gen, real, p, probes, scores, context, window_reach, pos_tol, heading_tol,
-                                       n_distractors, seed)
-            probes = kept  # probes without any distractor frame cannot be ranked
+        probes, ok = _score_probes(gen, real, p, probes, context, threshold, criterion, window_reach, pos_tol,
+                                   heading_tol, n_distractors, seed)
         by_span = retrieval_by_span(probes, ok, bins)
         result = {
             "retrieval_by_span": by_span,
@@ -494,15 +451,71 @@ def evaluate_retrieval(
             "n_probes": len(probes),
             "retrieval_chance": empty["retrieval_chance"],
         }
-    needle_hits = []
+    result["needle"] = _score_needles(gen, real, needles, context, threshold)
+    return result
+
+
+def _empty_result(bins, threshold, settings, criterion, n_distractors) -> dict[str, Any]:
+    """The retrieval fields when nothing could be scored (no poses, no probes)."""
+    return {
+        "retrieval_by_span": retrieval_by_span([], [], bins),
+        "retrieval_mean": None,
+        "retrieval_overall": None,
+        "retrieval_threshold": threshold,
+        "retrieval_calibration": {"source": "given"} if threshold is not None else None,
+        "retrieval_settings": settings,
+        "n_probes": 0,
+        "retrieval_chance": 1.0 / (n_distractors + 1) if criterion == "rank" else None,
+        "needle": {"n": 0, "hits": 0, "rate": None, "probes": []},
+    }
+
+
+def _score_probes(gen, real, poses, probes, context, threshold, criterion, window_reach, pos_tol, heading_tol,
+                  n_distractors, seed):
+    """(probes kept, retrieved bool per probe) under `criterion` (see `evaluate_retrieval`)."""
+    # One SSIM per probe: generated frame t against ground-truth frame t.
+    ga = torch.stack([gen[pr.b, pr.t - context] for pr in probes])  # (P, C, H, W)
+    ra = torch.stack([real[pr.b, pr.t] for pr in probes])  # (P, C, H, W)
+    scores = pair_ssim(ga, ra)  # (P,)
+    if criterion == "threshold":
+        return probes, scores >= threshold
+    # probes without any distractor frame cannot be ranked: _rank_retrieved drops them
+    return _rank_retrieved(gen, real, poses, probes, scores, context, window_reach, pos_tol, heading_tol,
+                           n_distractors, seed)
+
+
+def _calibrate_on_ground_truth(real, poses, probes, pos_tol, heading_tol, window_reach, n_random_per_probe,
+                               seed) -> dict[str, Any] | None:
+    """`calibrate_threshold` on the ground truth: the probes' true pairs (real[t], real[s]) against random
+    pairs drawn from the same episodes with a fixed seed (reproducible). None when either set is empty."""
+    g = torch.Generator().manual_seed(seed)
+    true_a, true_b, rand_a, rand_b = [], [], [], []
+    for e in range(real.shape[0]):
+        mine = [pr for pr in probes if pr.b == e]
+        if not mine:
+            continue
+        true_a.append(real[e, [pr.t for pr in mine]])
+        true_b.append(real[e, [pr.s for pr in mine]])
+        rp = _random_pairs(pose_match_matrix(poses[e], pos_tol, heading_tol), mine, window_reach,
+                           n_random_per_probe, g)
+        if rp:
+            rand_a.append(real[e, [t for t, _ in rp]])
+            rand_b.append(real[e, [r for _, r in rp]])
+    if not true_a or not rand_a:
+        return None
+    calibration = calibrate_threshold(
+        pair_ssim(torch.cat(true_a), torch.cat(true_b)), pair_ssim(torch.cat(rand_a), torch.cat(rand_b))
+    )
+    calibration["source"] = "calibrated on ground-truth revisit pairs vs random pairs of these episodes"
+    return calibration
+
+
+def _score_needles(gen, real, needles, context: int, threshold: float) -> dict[str, Any]:
+    """The needle probes (`needle_probe`) scored by SSIM(generated[t], real[t]) >= threshold."""
+    hits = []
     for nd in needles:
         score = float(pair_ssim(gen[nd["b"], nd["t"] - context][None], real[nd["b"], nd["t"]][None])[0])
         nd.update(ssim=score, retrieved=score >= threshold)
-        needle_hits.append(nd["retrieved"])
-    result["needle"] = {
-        "n": len(needles),
-        "hits": sum(needle_hits),
-        "rate": sum(needle_hits) / len(needles) if needles else None,
-        "probes": needles,
-    }
-    return result
+        hits.append(nd["retrieved"])
+    return {"n": len(needles), "hits": sum(hits), "rate": sum(hits) / len(needles) if needles else None,
+            "probes": needles}

@@ -32,22 +32,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.episodes import atomic_write
+from data.episodes import atomic_write, atomic_write_text
 
 from .baselines import BASELINES, baseline_frames, compare_with_baselines
-from .checkpoint import load_for_inference, parse_device, resolve_data_path
+from .checkpoint import parse_device, resolve_data_path
 from .diffusion import PerFrameDiffusion
 from .evaluate import evaluate_rollout, write_eval_json
 from .hybrid import HybridModel, wrap_for_sampling
-from .metrics import atomic_write_text, psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, write_metrics_csv
+from .metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, write_metrics_csv
 from .pipeline import rollout
+from .runs import SamplingError, load_for_inference, load_validation_episodes
 from .schedules import get_schedule
 from .speculative_rollout import FROZEN, make_speculation, plot_arms, speculation_report
 from .video import filmstrip, side_by_side, to_uint8, write_image, write_video
-
-
-class SamplingError(ValueError):
-    """The run, the data or the settings cannot produce the requested rollout."""
 
 
 @dataclass
@@ -222,43 +219,6 @@ def _strip_frames(context: int, total: int) -> list[int]:
     first = list(range(max(context - 1, 0), min(context + 8, total)))
     rest = np.linspace(first[-1], total - 1, 4).round().astype(int)[1:].tolist() if total - 1 > first[-1] else []
     return first + rest
-
-
-def load_validation_episodes(root: str | os.PathLike, cfg, n_episodes: int, context: int, frames: int | None,
-                             split: str = "validation") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The first `n_episodes` episodes of `split` (default validation) from frame 0, at the run's resolution.
-
-    Returns video (N, T, C, H, W) in [-1, 1], actions (N, T) int64 and pose (N, T, 3) or None, with
-    T = context + frames (frames=None: the longest T every chosen episode holds).
-    """
-    from data.dataset import ClipDataset, resolve_split
-
-    split = resolve_split(root, split)
-    skip = cfg.data.frame_skip
-    probe = ClipDataset(split, n_frames=1, frame_skip=skip, random_start=True, resize=cfg.data.resize,
-                        skip_bad=cfg.data.skip_bad_files, progress=False)
-    available = [(int(n) - 1) // skip + 1 for n in probe.lengths[:n_episodes]]  # frames after frame_skip
-    t = context + frames if frames is not None else min(available)
-    if t > min(available):
-        raise SamplingError(f"--context {context} + --frames {frames} = {t} frames, but validation episode(s) in "
-                            f"{split} hold only {min(available)}; ask for fewer frames")
-    ds = ClipDataset(split, n_frames=t, frame_skip=skip, random_start=True, resize=cfg.data.resize,
-                     skip_bad=cfg.data.skip_bad_files, progress=False)
-    # with random_start every valid start is a clip: the clip at (episode e, frame 0) comes after all
-    # the clips of episodes 0..e-1
-    starts = np.concatenate([[0], np.cumsum(np.maximum(ds.lengths - ds.span + 1, 0))])
-    items = [ds[int(starts[e])] for e in range(len(available))]
-    video = torch.stack([it["video"] for it in items])  # (N, T, C, H, W)
-    if video.shape[-1] != cfg.model.image_size or video.shape[-2] != cfg.model.image_size:
-        raise SamplingError(f"data at another resolution: {split} gives {tuple(video.shape[-2:])} frames, the "
-                            f"checkpoint was trained at {cfg.model.image_size}x{cfg.model.image_size} "
-                            f"(set data.resize when training, or pass matching data)")
-    actions = torch.stack([it["actions"] for it in items])  # (N, T)
-    if int(actions.max()) >= cfg.model.num_actions:
-        raise SamplingError(f"{split} has action {int(actions.max())} but the checkpoint knows "
-                            f"{cfg.model.num_actions} actions")
-    poses = torch.stack([it["pose"] for it in items]) if all("pose" in it for it in items) else None
-    return video, actions, poses
 
 
 def _write_npz(path: Path, **arrays: np.ndarray) -> Path:

@@ -53,6 +53,7 @@ from arvdm.checkpoint import (
     unwrap,
 )
 from arvdm.config import Config, ConfigError
+from arvdm.errors import ArvdmError
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
 SAMPLE_WINDOWS = 2  # ... and how many windows of frames it then generates
@@ -63,11 +64,11 @@ LOG_COLUMNS = ["step", "loss", "lr", "grad_norm", "steps_per_s", "frames_per_s",
                "elapsed_s"]
 
 
-class TrainingError(ValueError):
+class TrainingError(ArvdmError):
     """A user-facing problem with the data or the run folder (missing data, wrong resolution, ...)."""
 
 
-class DistributedError(RuntimeError):
+class DistributedError(ArvdmError, RuntimeError):
     """Under DDP, this rank lost the others: one died, hung past train.dist_timeout_s, or cannot be reached."""
 
 

@@ -53,43 +53,36 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-@torch.no_grad()
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    set_threads(args.threads)
+def _models(args):
+    """(run config, the run's own memory length, hybrid config, base wrapper, hybrid wrapper, diffusion,
+    schedule, device); the config's memory is then set to --memory frames (retention last)."""
     from arvdm import hybrid as H
-    from arvdm.checkpoint import load_for_inference
+    from arvdm import hybrid_report as HR
     from arvdm.diffusion import PerFrameDiffusion
-    from arvdm.metrics import psnr_per_frame, ssim_per_frame
-    from arvdm.pipeline import rollout
-    from arvdm.sampling import load_validation_episodes
+    from arvdm.runs import load_for_inference
     from arvdm.schedules import get_schedule
 
     dev = torch.device(args.device)
     model, cfg = load_for_inference(args.run, device=dev)
     overrides = ["hybrid.select=offline", *args.overrides, f"hybrid.fraction={args.fraction}"]
-    h = H._hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
+    h = HR._hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
     rpath = H.ratios_path(h, args.run)
     if h.select == "offline" and not rpath.is_file():
         print(f"no {rpath}: calibrating first", file=sys.stderr)
-        H.run_calibration(args.run, data=args.data, overrides=[o for o in args.overrides], device=args.device)
+        HR.run_calibration(args.run, data=args.data, overrides=[o for o in args.overrides], device=args.device)
     offline = H.load_lazy_ratios(rpath) if rpath.is_file() else None
-    w = cfg.train.window
-    ctx = args.context if args.context is not None else max(cfg.memory.length, w)  # the run's own memory
+    run_memory = cfg.memory.length
     # the full layers (and the bank) remember the last --memory frames
     for m in (model.cfg.memory, cfg.memory):
         m.retention, m.length = "last", args.memory
-    diffusion = PerFrameDiffusion(cfg.diffusion)
-    sched = get_schedule("chunked", w, cfg.diffusion.num_levels, args.steps)
-
+    sched = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, args.steps)
     base = H.HybridModel(model, dataclasses.replace(h, fraction=0.0, select="fixed", layers=[]), offline)
     hyb = H.HybridModel(model, h, offline)
-    print(f"streaming layers {hyb.fixed[0] if hyb.fixed else '(online)'} of {len(hyb.layers)}; sink {h.sink} + "
-          f"recent {h.recent}; memory {args.memory}; measured at frame {args.frame}")
+    return cfg, run_memory, h, base, hyb, PerFrameDiffusion(cfg.diffusion), sched, dev
 
-    # -- 1. cost at frame F -------------------------------------------------------------------------
-    real, actions, _ = load_validation_episodes(args.data or cfg.data.path, cfg, args.episodes,
-                                                0, None)  # whole episodes
+
+def _cost_at_frame(args, models, diffusion, sched, real, actions, w, dev):
+    """KV bytes, cached frames per layer and frames/s of one AR step at frame --frame, per model."""
     reps = -(-(args.frame + w) // real.shape[1])
     tiled = real[:1].repeat(1, reps, 1, 1, 1)[:, :args.frame + w].to(dev)  # (1, F + w, C, H, W)
     tiled_act = actions[:1].repeat(1, reps)[:, :args.frame + w].to(dev)
@@ -100,11 +93,10 @@ def main(argv=None) -> int:
             m.commit(state, tiled[:, s:s + w], tiled_act[:, s:s + w])
         return state
 
-    states = {"base": (base, fill(base)), "hybrid": (hyb, fill(hyb))}
+    states = {name: (m, fill(m)) for name, m in models.items()}
     nbytes = {k: st.nbytes() for k, (_, st) in states.items()}
     layer_frames = {k: [c.num_frames for c in st.caches] for k, (_, st) in states.items()}
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn((1, w, *tiled.shape[2:]), generator=g).to(dev)
+    x = torch.randn((1, w, *tiled.shape[2:]), generator=torch.Generator().manual_seed(0)).to(dev)
     S = torch.tensor(sched.matrix, device=dev)
     win_act = tiled_act[:, args.frame:args.frame + w]
 
@@ -119,22 +111,45 @@ def main(argv=None) -> int:
 
     times = interleaved({k: (lambda k=k: ar_step(k)) for k in states}, repeats=args.repeats, warmup=1,
                         device=dev)
-    fps = {k: w / median(v) for k, v in times.items()}
+    return nbytes, layer_frames, {k: w / median(v) for k, v in times.items()}
 
-    # -- 2. quality on validation episodes ----------------------------------------------------------
-    n = min(args.psnr_frames, real.shape[1] - ctx)
+
+def _quality(models, diffusion, sched, real, actions, ctx, n, dev):
+    """Mean PSNR and SSIM of each model's rollout of n frames after ctx context frames."""
+    from arvdm.metrics import psnr_per_frame, ssim_per_frame
+    from arvdm.pipeline import rollout
+
     psnr, ssim = {}, {}
-    for name, m in (("base", base), ("hybrid", hyb)):
+    for name, m in models.items():
         gen = rollout(m, diffusion, sched, real[:, :ctx].to(dev), actions[:, :ctx].to(dev),
                       actions[:, ctx:].to(dev), n, generator=torch.Generator().manual_seed(1), progress=False)
         target = real[:, ctx:ctx + n]
         psnr[name] = float(psnr_per_frame(gen.float().cpu(), target).mean())
         ssim[name] = float(ssim_per_frame(gen.float().cpu(), target).mean())
+    return psnr, ssim
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    from arvdm.runs import load_validation_episodes
+
+    cfg, run_memory, h, base, hyb, diffusion, sched, dev = _models(args)
+    w = cfg.train.window
+    ctx = args.context if args.context is not None else max(run_memory, w)  # the run's own memory
+    print(f"streaming layers {hyb.fixed[0] if hyb.fixed else '(online)'} of {len(hyb.layers)}; sink {h.sink} + "
+          f"recent {h.recent}; memory {args.memory}; measured at frame {args.frame}")
+    real, actions, _ = load_validation_episodes(args.data or cfg.data.path, cfg, args.episodes,
+                                                0, None)  # whole episodes
+    models = {"base": base, "hybrid": hyb}
+    nbytes, layer_frames, fps = _cost_at_frame(args, models, diffusion, sched, real, actions, w, dev)
+    n = min(args.psnr_frames, real.shape[1] - ctx)
+    psnr, ssim = _quality(models, diffusion, sched, real, actions, ctx, n, dev)
     chosen = hyb.streaming_layers
     hyb.restore()
 
-    n_layers = len(hyb.layers)
-    full_share = 1 - len(chosen) / n_layers
+    full_share = 1 - len(chosen) / len(hyb.layers)
     expected = full_share + (1 - full_share) * (h.sink + h.recent) / args.memory
     rows = [
         ["KV-cache bytes at frame %d" % args.frame, f"{nbytes['base']:,}", f"{nbytes['hybrid']:,}",

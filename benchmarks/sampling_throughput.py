@@ -39,7 +39,7 @@ SMOKE = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.dep
 
 def build(args) -> tuple[torch.nn.Module, object]:
     if args.run:
-        from arvdm.checkpoint import load_for_inference
+        from arvdm.runs import load_for_inference
 
         return load_for_inference(args.run, device=args.device)
     cfg = apply_overrides(get_preset(args.preset), (SMOKE if args.smoke else []) + list(args.set)).validate()

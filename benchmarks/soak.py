@@ -53,7 +53,7 @@ def build_model(args) -> Denoiser:
     retention = [f"memory.retention={args.retention}", f"memory.sink={args.sink}", f"memory.recent={args.recent}",
                  f"memory.length={args.sink + args.recent}"]
     if args.run:
-        from arvdm.checkpoint import load_for_inference
+        from arvdm.runs import load_for_inference
 
         model, cfg = load_for_inference(args.run, device="cpu")
         if cfg.memory.structure != "prepend" or cfg.memory.compressor != "none":

@@ -37,14 +37,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from arvdm.bandits import hindsight_regret  # noqa: E402
-from arvdm.checkpoint import load_for_inference  # noqa: E402
 from arvdm.diffusion import PerFrameDiffusion  # noqa: E402
-from arvdm.metrics import atomic_write_text  # noqa: E402
 from arvdm.pipeline import rollout  # noqa: E402
+from arvdm.runs import load_for_inference  # noqa: E402
 from arvdm.sampling import load_validation_episodes  # noqa: E402
 from arvdm.schedules import get_schedule  # noqa: E402
 from arvdm.speculative_rollout import FROZEN, make_speculation, plot_arms  # noqa: E402
 from benchmarks.common import print_table, set_threads  # noqa: E402
+from data.episodes import atomic_write_text  # noqa: E402
 
 
 class CountingModel:

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from .episodes import EpisodeError, atomic_write, open_video_memmap, read_actions_pose, read_frames, read_header
+from .errors import DataError
 
 INDEX_FILE = ".arvdm_index.json"
 INDEX_VERSION = 1
@@ -36,7 +37,7 @@ INDEX_VERSION = 1
 SPLIT_ALIASES = {"training": "train", "train": "training", "validation": "test", "test": "validation"}
 
 
-class DatasetError(ValueError):
+class DatasetError(DataError):
     """A split folder is missing, empty, holds bad episodes, or cannot supply the requested clips."""
 
 

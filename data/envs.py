@@ -25,6 +25,8 @@ import warnings
 
 import numpy as np
 
+from .errors import DataError
+
 ENV_NAMES = ("memory_maze", "crafter")
 
 # Memory Maze: 0 noop, 1 forward, 2 turn left (+heading), 3 turn right, 4 forward+left, 5 forward+right.
@@ -37,7 +39,7 @@ CRAFTER_MOVES = {1: (-1, 0), 2: (1, 0), 3: (0, -1), 4: (0, 1)}
 CRAFTER_DO = 5  # interact with / hit what the player faces
 
 
-class EnvUnavailable(RuntimeError):
+class EnvUnavailable(DataError, RuntimeError):
     """An environment package is not installed or cannot render on this machine."""
 
 

@@ -27,12 +27,14 @@ from typing import BinaryIO
 
 import numpy as np
 
+from .errors import DataError
+
 EPISODE_SUFFIXES = (".npz", ".mp4")
 _ZIP_MAGIC = b"PK\x03\x04"
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps: same arrays -> same bytes
 
 
-class EpisodeError(ValueError):
+class EpisodeError(DataError):
     """An episode file is missing, truncated, not an npz/mp4, or holds arrays of the wrong key/dtype/shape."""
 
     def __init__(self, path, problem: str):
@@ -186,87 +188,35 @@ def atomic_write(path: Path, writer, suffix: str = ".tmp") -> None:
         raise
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically with `atomic_write`; parent folders are created."""
+    path = Path(path)
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8", newline=""))
+    return path
+
+
 # ------------------------------------------------------------------------------------------------
-# mp4 internals: frame count and size from the MP4 sample table, no decoding
+# mp4 internals: frame count and size from the container (PyAV), decoding through imageio-ffmpeg
 # ------------------------------------------------------------------------------------------------
-
-_MP4_CONTAINERS = {b"moov", b"trak", b"mdia", b"minf", b"stbl"}
-
-
-def _mp4_boxes(f: BinaryIO, start: int, end: int):
-    """Yield (type, payload_start, box_end) for the ISO-BMFF boxes in [start, end)."""
-    pos = start
-    while pos + 8 <= end:
-        f.seek(pos)
-        head = f.read(8)
-        if len(head) < 8:
-            return
-        size, kind = struct.unpack(">I4s", head)
-        payload = pos + 8
-        if size == 1:  # 64-bit size follows
-            size = struct.unpack(">Q", f.read(8))[0]
-            payload += 8
-        elif size == 0:  # box runs to the end of the file
-            size = end - pos
-        if size < 8:
-            return
-        yield kind, payload, pos + size
-        pos += size
-
-
-def _mp4_video_track(path: Path) -> tuple[int, int, int] | None:
-    """(frames, height, width) of the first video track, from 'stsz' and 'stsd'; None if not parsable."""
-    file_end = path.stat().st_size
-    with open(path, "rb") as f:
-        def walk(start, end, found):
-            for kind, payload, box_end in _mp4_boxes(f, start, end):
-                if kind == b"trak":
-                    track: dict = {}
-                    walk(payload, box_end, track)
-                    if track.get("handler") == b"vide" and "frames" in track and "size" in track:
-                        return track
-                elif kind in _MP4_CONTAINERS:
-                    result = walk(payload, box_end, found)
-                    if result:
-                        return result
-                elif kind == b"hdlr":
-                    f.seek(payload + 8)  # version/flags (4) + pre_defined (4)
-                    found["handler"] = f.read(4)
-                elif kind == b"stsz":
-                    f.seek(payload + 4)  # version/flags
-                    _sample_size, count = struct.unpack(">II", f.read(8))
-                    found["frames"] = count
-                elif kind == b"stsd":
-                    # version/flags (4), entry count (4), entry: size (4), format (4), reserved (6),
-                    # data ref (2), pre_defined/reserved (16), width (2), height (2)
-                    f.seek(payload + 8 + 8 + 8 + 16)
-                    width, height = struct.unpack(">HH", f.read(4))
-                    found["size"] = (height, width)
-            return None
-
-        track = walk(0, file_end, {})
-    if not track:
-        return None
-    return track["frames"], track["size"][0], track["size"][1]
 
 
 def _mp4_count_frames(path: Path) -> tuple[int, int, int]:
-    """Frame count and size of an mp4: the sample table when parsable, else ffmpeg (slower, exact)."""
-    try:
-        parsed = _mp4_video_track(path)
-    except (OSError, struct.error) as e:
-        raise EpisodeError(path, f"unreadable mp4 ({e})")
-    if parsed is not None and parsed[0] > 0:
-        return parsed
-    try:
-        import imageio.v2 as iio
+    """(frames, height, width) of an mp4's first video stream, without decoding a frame.
 
-        with iio.get_reader(str(path), "ffmpeg") as reader:
-            width, height = reader.get_meta_data()["size"]
-            n = reader.count_frames()
-    except Exception as e:  # noqa: BLE001 -- imageio/ffmpeg raise many kinds (OSError, RuntimeError, ...)
-        raise EpisodeError(path, f"not a readable video ({type(e).__name__}: {e})")
-    return int(n), int(height), int(width)
+    PyAV reads the count from the container's sample table (``stream.frames``); when the container does
+    not state it (0), the stream's packets are counted instead (demuxing only, still no decoding).
+    """
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise EpisodeError(path, "not a readable video (no video stream)")
+            stream = container.streams.video[0]
+            n = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+            return int(n), int(stream.codec_context.height), int(stream.codec_context.width)
+    except av.FFmpegError as e:  # not an mp4, truncated, unknown codec, ...
+        raise EpisodeError(path, f"not a readable video ({type(e).__name__}: {e})") from None
 
 
 def _mp4_read_frames(path: Path, start: int, stop: int) -> np.ndarray:

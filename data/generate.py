@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .envs import ENV_NAMES, MAX_FRAMES, EnvUnavailable, make_env
+from .envs import ENV_NAMES, MAX_FRAMES, make_env
 from .episodes import EpisodeError, atomic_write, read_header, write_episode
+from .errors import DataError
 from .policies import POLICIES, make_policy
 
 MANIFEST = "dataset.json"
@@ -40,7 +41,7 @@ SPLITS = ("training", "validation")
 MAX_ATTEMPTS = 20  # crafter agents can die (lava, zombies); a dead episode is retried with a new sub-seed
 
 
-class GenerateError(ValueError):
+class GenerateError(DataError):
     """Bad generator arguments, or an output folder that holds something else."""
 
 
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         root = generate(args.out, args.env, args.episodes, args.length, size=args.size, seed=args.seed,
                         policy=args.policy, workers=args.workers, compress=args.compress)
-    except (GenerateError, EnvUnavailable, OSError) as e:  # OSError: e.g. --out not writable, disk full
+    except (DataError, OSError) as e:  # the data package's user errors; OSError: e.g. --out not writable
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

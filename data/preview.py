@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from .dataset import DatasetError, list_episodes
-from .episodes import EpisodeError, atomic_write, load_episode
+from .episodes import atomic_write, load_episode
+from .errors import DataError
 
 
 def find_episodes(root, limit: int) -> list[Path]:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         png, gif = preview(args.dir, args.out, args.episodes, args.frames, args.gif_frames)
-    except (DatasetError, EpisodeError, OSError) as e:
+    except (DataError, OSError) as e:  # the data package's user errors; OSError: e.g. --out not writable
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {png}\nwrote {gif}")

@@ -15,16 +15,10 @@ import pytest
 import yaml
 
 from arvdm.checkpoint import checkpoint_dir, latest_checkpoint
-from arvdm.experiments import (
-    GridError,
-    collect_results,
-    expand_grid,
-    load_grid,
-    main,
-    run_grid,
-    run_status,
-    write_report,
-)
+from arvdm.experiments import main
+from arvdm.grid import GridError, expand_grid, load_grid
+from arvdm.grid_runner import run_grid, run_status
+from arvdm.report import collect_results, write_report
 
 # -- helpers -----------------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import torch
 
 import kernels
 from arvdm import hybrid as H
+from arvdm import hybrid_report as HR
 from arvdm.config import Config, ConfigError, DiffusionConfig, HybridConfig, apply_overrides
 from arvdm.diffusion import PerFrameDiffusion
 from arvdm.pipeline import rollout
@@ -158,15 +159,15 @@ def test_online_ratio_equals_offline_on_same_inputs():
     with H.measuring(H.temporal_layers(model), sink=1, recent=2, last_frames=2) as meters:
         model.commit(state, frames, actions)
     online = [m.ratio for m in meters]
-    offline = H.calibrate(model, DIFF, frames, actions, memory=6, levels=[0], hybrid=h, progress=False)
+    offline = HR.calibrate(model, DIFF, frames, actions, memory=6, levels=[0], hybrid=h, progress=False)
     assert len(set(round(r, 4) for r in online)) > 1 and max(online) < 1  # layers differ, mass is dropped
     torch.testing.assert_close(torch.tensor(offline["ratios"]), torch.tensor(online), atol=1e-5, rtol=0)
     # noisier windows are measured too, one column per level
-    noisy = H.calibrate(model, DIFF, frames, actions, memory=6, levels=[0, 50, 100], hybrid=h, progress=False)
+    noisy = HR.calibrate(model, DIFF, frames, actions, memory=6, levels=[0, 50, 100], hybrid=h, progress=False)
     assert len(noisy["layers"][0]["by_level"]) == 3 and noisy["layers"][0]["by_level"][0] == pytest.approx(
         online[0], abs=1e-5)
     with pytest.raises(H.HybridError, match="every ratio would be 1"):
-        H.calibrate(model, DIFF, frames[:, :4], actions[:, :4], memory=2, levels=[0],
+        HR.calibrate(model, DIFF, frames[:, :4], actions[:, :4], memory=2, levels=[0],
                     hybrid=HybridConfig(sink=1, recent=2, last_frames=2), progress=False)
 
 
@@ -297,7 +298,7 @@ def test_sampling_wiring_and_refusals(tmp_path):
 
 
 def test_cli_errors_exit_2_without_traceback(tmp_path, capsys):
-    assert H.main(["calibrate", "--run", str(tmp_path / "nothing")]) == 2
+    assert HR.main(["calibrate", "--run", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert "error" in err and "Traceback" not in err
 
@@ -348,7 +349,7 @@ def test_calibrate_sample_and_report_clis(tiny_run, tmp_path, capsys):
     import sample
 
     run = str(tiny_run / "run")
-    assert H.main(["calibrate", "--run", run, "--clips", "2", "--levels", "2"]) == 0
+    assert HR.main(["calibrate", "--run", run, "--clips", "2", "--levels", "2"]) == 0
     ratios = H.load_lazy_ratios(tiny_run / "run" / H.RATIOS_NAME)
     assert len(ratios["ratios"]) == 2 and ratios["levels"] == [0, 100] and 0 < min(ratios["ratios"]) < 1
     assert sample.main(["--run", run, "--frames", "8", "--context", "8", "--episodes", "1", "--steps", "2",
@@ -361,7 +362,7 @@ def test_calibrate_sample_and_report_clis(tiny_run, tmp_path, capsys):
     (tmp_path / "grid").mkdir()
     (tmp_path / "grid" / "pareto.csv").write_text("name,max_psnr_decay,mean_retrieval_rate,on_frontier\n"
                                                   "prepend-m8,1.5,0.25,1\n")
-    assert H.main(["report", "--run", run, "--episodes", "1", "--frames", "8", "--steps", "2",
+    assert HR.main(["report", "--run", run, "--episodes", "1", "--frames", "8", "--steps", "2",
                    "--out", str(tmp_path / "r"), "--pareto-with", str(tmp_path / "grid")]) == 0
     assert "prepend-m8" in (tmp_path / "r" / "pareto_hybrid.csv").read_text()
     rows = json.loads((tmp_path / "r" / "hybrid_report.json").read_text())["rows"]
@@ -373,6 +374,6 @@ def test_calibrate_sample_and_report_clis(tiny_run, tmp_path, capsys):
 
 
 def test_selection_strategies():
-    s = H.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)
+    s = HR.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)
     assert s["lazy"] == [1, 3] and s["last"] == [2, 3] and len(s["random"]) == 2
-    assert H.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)["random"] == s["random"]  # seeded
+    assert HR.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)["random"] == s["random"]  # seeded

@@ -78,7 +78,7 @@ def test_mask_docstring_picture():
     assert rows == ["####..", "####..", "######", "######"]
     s = chunked_attention_mask(4, 6, frames_per_chunk=2, q_frame_offset=2, sink_frames=1, recent_frames=1)
     rows = ["".join("#" if x else "." for x in r) for r in s.tolist()]
-    assert rows == ["####..", "####..", "#..###", "#..###"]  # the picture in docs/sections/kernels.md
+    assert rows == ["####..", "####..", "#..###", "#..###"]  # the picture in docs/kernels.md
     s = chunked_attention_mask(4, 10, q_frame_offset=6, sink_frames=1, recent_frames=2)
     rows = ["".join("#" if x else "." for x in r) for r in s.tolist()]
     assert rows == ["#...###...", "#....###..", "#.....###.", "#......###"]

@@ -1,11 +1,11 @@
-"""Pareto frontier on known point sets (ties, duplicates, missing values), tables, plots, paper numbers."""
+"""arvdm.report: Pareto frontier on known point sets (ties, duplicates, missing values), tables, plots."""
 
 import csv
 import math
 
 import pytest
 
-from arvdm.pareto import (
+from arvdm.report import (
     paper_reference,
     pareto_frontier,
     plot_error_accumulation,

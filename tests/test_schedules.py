@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from arvdm.schedule_plots import main, plot_schedule
 from arvdm.schedules import (
     ARSchedule,
     ScheduleError,
@@ -14,8 +15,6 @@ from arvdm.schedules import (
     from_matrix,
     get_schedule,
     load_schedule,
-    main,
-    plot_schedule,
     pyramid,
 )
 

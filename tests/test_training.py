@@ -22,11 +22,11 @@ from arvdm.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
-    load_for_inference,
     load_training_state,
     save_checkpoint,
 )
 from arvdm.config import ConfigError, apply_overrides, get_preset
+from arvdm.runs import load_for_inference
 from arvdm.training import ResumableSampler, Trainer, TrainingError, lr_factor
 from data.dataset import to_float_video
 from data.episodes import write_episode

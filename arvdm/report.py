@@ -1,10 +1,14 @@
-"""The error-accumulation vs memory-bottleneck trade-off: Pareto frontier, results tables and plots.
+"""The report: results tables and plots of an experiment grid, and the Pareto frontier they are read by.
 
-One point per configuration (memory structure, memory length, budget, schedule):
-x = max PSNR decay in dB (lower is better: the rollout degrades less),
-y = mean retrieval rate (higher is better: the model remembers revisited places).
-The paper's claim is that the two pull against each other (more memory retrieves farther back but decays
-more), so the useful configurations are those on the frontier.
+    from arvdm.report import write_report, pareto_frontier, plot_pareto
+    write_report("experiments/tiny")          # results.csv/.md, error_accumulation.png, retrieval_by_span.png,
+                                              # pareto.png/.csv from OUT/cells/*/eval.json
+
+The error-accumulation vs memory-bottleneck trade-off has one point per configuration (memory structure,
+memory length, budget, schedule): x = max PSNR decay in dB (lower is better: the rollout degrades less),
+y = mean retrieval rate (higher is better: the model remembers revisited places). The paper's claim is
+that the two pull against each other (more memory retrieves farther back but decays more), so the useful
+configurations are those on the frontier.
 
 Plots use matplotlib's object API with the Agg canvas (no pyplot, no global backend switch), so they work
 headless and do not disturb a caller's own figures. Every file is written atomically.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -21,17 +26,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from arvdm.metrics import atomic_write_text
-from data.episodes import atomic_write
+from arvdm.checkpoint import checkpoint_step, latest_checkpoint
+from arvdm.evaluate import read_eval_json
+from arvdm.grid import MEMORY_KEYS, Grid, GridError
+from arvdm.retrieval import mean_retrieval_rate
+from data.episodes import atomic_write, atomic_write_text
 
 __all__ = [
+    "collect_results",
     "paper_reference",
     "pareto_frontier",
     "plot_error_accumulation",
     "plot_pareto",
     "plot_retrieval_by_span",
     "write_points_csv",
+    "write_report",
     "write_results_table",
 ]
 
@@ -369,3 +380,226 @@ def paper_reference() -> dict[str, Any]:
             {"name": k, "x": decay[k], "y": round(sum(retrieval[k]) / 3, 4)} for k in psnr
         ],
     }
+
+
+# --------------------------------------------------------------------------------------------------------
+# A grid's results: tables and plots from the cell folders
+# --------------------------------------------------------------------------------------------------------
+
+
+def _cells_for_report(out: Path, grid: Grid | None) -> tuple[list[dict[str, Any]], list[str], bool]:
+    """(cells as dicts, extra columns, paper_reference) from the grid, else plan.json, else cells/*/cell.json."""
+    if grid is not None:
+        return [c.to_dict() for c in grid.cells], list(grid.columns), grid.paper_reference
+    plan = out / "plan.json"
+    if plan.is_file():
+        try:
+            d = json.loads(plan.read_text())
+            return list(d["cells"]), list(d.get("columns", [])), bool(d.get("paper_reference", False))
+        except (ValueError, KeyError, TypeError) as e:
+            raise GridError(f"{plan}: not a plan written by arvdm.grid_runner ({e}); pass --grid") from None
+    cells = []
+    for path in sorted((out / "cells").glob("*/cell.json")):
+        try:
+            cells.append(json.loads(path.read_text()))
+        except ValueError as e:
+            raise GridError(f"{path}: unreadable ({e})") from None
+    if not cells:
+        raise GridError(f"{out}: no plan.json and no cells/*/cell.json: nothing to report (run `pareto` first)")
+    extra = list(dict.fromkeys(k for c in cells for k in c.get("values", {})
+                               if k not in MEMORY_KEYS and k != "schedule"))
+    return cells, extra, False
+
+
+def _baseline_columns(ev: Mapping[str, Any]) -> dict[str, Any]:
+    """The model beside copy-last and context-mean over the first 4 generated frames, and sharpness."""
+    first = ev.get("first_frames") or {}
+    cols = {f"psnr4_{name}": (first.get(name) or {}).get("psnr", {}).get("4")
+            for name in ("model", "copy_last", "context_mean")}
+    cols["grad_ratio16"] = ev.get("gradient_ratio_first16")
+    v = ev.get("verdict")
+    cols["beats_copy_last"] = None if v is None else int(bool(v.get("beats_copy_last")))
+    return cols
+
+
+def _read_curve(cell_dir: Path, ev: Mapping[str, Any]) -> list[float]:
+    """PSNR per generated frame index: metrics.csv's ``psnr`` column (eval.json's ``psnr_curve`` without it)."""
+    path = cell_dir / "metrics.csv"
+    values: list[float] = []
+    if path.is_file():
+        with open(path, newline="") as f:
+            values = [float(r["psnr"]) if r.get("psnr") not in (None, "") else math.nan for r in csv.DictReader(f)]
+    elif ev.get("psnr_curve"):
+        values = [math.nan if v is None else float(v) for v in ev["psnr_curve"]]
+    # Identical frames have infinite PSNR; plotted as gaps rather than stretching the axis to infinity.
+    return [v if math.isfinite(v) else math.nan for v in values]
+
+
+def _run_info(run_dir: Path) -> dict[str, Any]:
+    """Parameters and steps of the newest checkpoint, and the last validation losses in log.csv."""
+    info: dict[str, Any] = {"params": None, "train_steps": None, "val_loss": None, "val_loss_ema": None}
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        info["train_steps"] = checkpoint_step(ckpt)
+        weights = ckpt / "model.safetensors"
+        if weights.is_file():
+            try:  # shapes from the header only: no tensor is loaded
+                from safetensors import safe_open
+
+                with safe_open(str(weights), framework="pt") as f:
+                    info["params"] = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+            except Exception:  # noqa: BLE001 - a damaged file leaves the column blank, not the report dead
+                info["params"] = None
+    log = run_dir / "log.csv"
+    if log.is_file():
+        with open(log, newline="") as f:
+            for row in csv.DictReader(f):
+                for key in ("val_loss", "val_loss_ema"):
+                    if row.get(key):
+                        info[key] = float(row[key])
+    return info
+
+
+def collect_results(out: str | os.PathLike, grid: Grid | None = None) -> list[dict[str, Any]]:
+    """One row per cell (finished, failed or pending) with its settings, metrics and training facts.
+
+    Columns: name, structure, length, budget, compressor, schedule, the grid's other varying keys, status,
+    max_psnr_decay, retrieval_mean, retrieval_<bin> per gap bin, psnr_<span> per span, psnr_mean,
+    ssim_mean, n_probes, retrieval_threshold, params, train_steps, val_loss, val_loss_ema, on_frontier,
+    train_run. Metrics are blank for cells without eval.json. Internal keys ``_curve``, ``_rates`` and
+    ``_counts`` (for the plots) start with an underscore and are not written to the tables.
+    """
+    out = Path(out)
+    cells, extra, _ = _cells_for_report(out, grid)
+    runs: dict[str, dict[str, Any]] = {}
+    rows = []
+    for cell in cells:
+        values = cell.get("values", {})
+        cell_dir = out / "cells" / cell["name"]
+        row: dict[str, Any] = {
+            "name": cell["name"], "structure": values.get("memory.structure"),
+            "length": values.get("memory.length"), "budget": values.get("memory.budget"),
+            "compressor": values.get("memory.compressor"), "schedule": values.get("schedule"),
+        }
+        row.update({k: values.get(k) for k in extra})
+        ev_path = cell_dir / "eval.json"
+        if ev_path.is_file():
+            ev = read_eval_json(ev_path)
+            by_span = ev.get("retrieval_by_span") or []
+            mean = ev.get("retrieval_mean")
+            row.update(status="done", max_psnr_decay=ev.get("max_psnr_decay"),
+                       retrieval_mean=mean if mean is not None else mean_retrieval_rate(by_span))
+            row.update({f"retrieval_{b['bin']}": b.get("rate") for b in by_span})
+            row.update({f"psnr_{s['label']}": s.get("mean") for s in ev.get("psnr_by_span") or []})
+            row.update(psnr_mean=ev.get("psnr_mean"), ssim_mean=ev.get("ssim_mean"), n_probes=ev.get("n_probes"),
+                       retrieval_threshold=ev.get("retrieval_threshold"))
+            row.update(_baseline_columns(ev))
+            row["_curve"] = _read_curve(cell_dir, ev)
+            row["_baselines"] = {k: v.get("psnr_curve") for k, v in (ev.get("baselines") or {}).items()}
+            row["_rates"] = {b["bin"]: b.get("rate") for b in by_span}
+            row["_counts"] = {b["bin"]: b.get("n") for b in by_span}
+        else:
+            row["status"] = "failed" if (cell_dir / "error.txt").is_file() else "pending"
+        run = cell.get("train_run")
+        if run is not None:
+            if run not in runs:
+                runs[run] = _run_info(out / "runs" / run)
+            row.update(runs[run])
+        row["train_run"] = run
+        rows.append(row)
+    done = [r for r in rows if r["status"] == "done"]
+    front = set(pareto_frontier([{"x": r["max_psnr_decay"], "y": r["retrieval_mean"]} for r in done]))
+    for i, r in enumerate(done):
+        r["on_frontier"] = int(i in front)
+    return rows
+
+
+def _table_columns(rows: Sequence[Mapping[str, Any]], extra: Sequence[str]) -> list[str]:
+    lead = ["name", "structure", "length", "budget", "compressor", "schedule", *extra, "status",
+            "max_psnr_decay", "retrieval_mean"]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    retrieval = [k for k in keys if k.startswith("retrieval_") and k not in ("retrieval_mean", "retrieval_threshold")]
+    psnr = [k for k in keys if k.startswith("psnr_") and k != "psnr_mean"]
+    tail = ["psnr4_model", "psnr4_copy_last", "psnr4_context_mean", "grad_ratio16", "beats_copy_last",
+            "psnr_mean", "ssim_mean", "n_probes", "retrieval_threshold", "params", "train_steps", "val_loss",
+            "val_loss_ema", "on_frontier", "train_run"]
+    return lead + retrieval + psnr + tail
+
+
+def _plots(out: Path, done: Sequence[Mapping[str, Any]], with_paper: bool) -> dict[str, Path]:
+    """The three plots and pareto.csv from the finished rows (`collect_results`); `with_paper` overlays
+    the paper's numbers."""
+    ref = paper_reference() if with_paper else None
+    paths: dict[str, Path] = {}
+    curves = {r["name"]: r["_curve"] for r in done if r["_curve"]}
+    # the trivial predictors depend only on the episodes: draw the first cell's as reference lines
+    base = next((r["_baselines"] for r in done if r.get("_baselines")), None)
+    if curves:
+        paths["error_accumulation"] = plot_error_accumulation(
+            curves, out / "error_accumulation.png", reference=ref["psnr_by_span"] if ref else None,
+            baselines=base)
+    paths["retrieval_by_span"] = plot_retrieval_by_span(
+        {r["name"]: r["_rates"] for r in done}, out / "retrieval_by_span.png",
+        reference=ref["retrieval_by_span"] if ref else None, counts={r["name"]: r["_counts"] for r in done})
+    points = [{"name": r["name"], "x": r["max_psnr_decay"], "y": r["retrieval_mean"]} for r in done]
+    plot_pareto(points, out / "pareto.png", csv_path=out / "pareto.csv",
+                reference=ref["pareto_points"] if ref else None)
+    paths["pareto"], paths["pareto_csv"] = out / "pareto.png", out / "pareto.csv"
+    return paths
+
+
+#: What the columns of results.md mean (its header).
+COLUMNS_NOTE = (
+    "max_psnr_decay: first span's mean PSNR minus the worst span's (dB, lower is better); "
+    "retrieval_mean: mean retrieval rate over gap bins with probes (higher is better); "
+    "retrieval_<a-b>: rate for revisits a-b frames back; psnr_<a-b>: mean PSNR over generated "
+    "frames a-b; psnr4_<model|copy_last|context_mean>: mean PSNR over the first 4 generated frames "
+    "of the model and of the two trivial predictors; grad_ratio16: spatial-gradient ratio "
+    "generated/real over the first 16 (about 1 = sharp, >1.5 noise, <0.6 blur); beats_copy_last: "
+    "1 when psnr4_model >= psnr4_copy_last (a cell with 0 has not learned the video: do not read "
+    "its curve or retrieval as a result); on_frontier: 1 when no other cell is better on both axes.")
+
+
+def _results_md(title: str, rows: Sequence[Mapping[str, Any]], table: str, paths: Mapping[str, Path]) -> str:
+    """results.md: the table under a short header that says what the columns mean, then the plots."""
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "pending")}
+    lines = [f"# Experiment results: {title}", "",
+             f"{counts['done']} of {len(rows)} cells evaluated"
+             + (f", {counts['failed']} failed" if counts["failed"] else "")
+             + (f", {counts['pending']} pending" if counts["pending"] else "") + ".",
+             COLUMNS_NOTE, "", table]
+    for key, name in (("error_accumulation", "Error accumulation"), ("retrieval_by_span", "Retrieval by span"),
+                      ("pareto", "Pareto frontier")):
+        if key in paths:
+            lines += [f"![{name}]({paths[key].name})", ""]
+    return "\n".join(lines)
+
+
+def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_reference: bool | None = None,
+                 quiet: bool = False) -> dict[str, Path]:
+    """Write results.csv / results.md and, when any cell is finished, the three plots and pareto.csv.
+
+    Args:
+        out: the grid's output folder.
+        grid: the grid (cell order, varying keys, paper_reference); default ``OUT/plan.json``, else the
+            ``cells/*/cell.json`` found.
+        paper_reference: overlay the paper's numbers (default: the grid's ``report.paper_reference``).
+    Returns:
+        name -> path of every file written.
+    """
+    out = Path(out)
+    _, extra, grid_ref = _cells_for_report(out, grid)
+    use_ref = grid_ref if paper_reference is None else paper_reference
+    rows = collect_results(out, grid)
+    paths: dict[str, Path] = {}
+    paths["csv"], paths["md"] = write_results_table(rows, out / "results.csv", out / "results.md",
+                                                    _table_columns(rows, extra))
+    done = [r for r in rows if r["status"] == "done"]
+    if done:
+        paths.update(_plots(out, done, use_ref))
+    title = grid.name if grid is not None else out.name
+    atomic_write_text(paths["md"], _results_md(title, rows, paths["md"].read_text(encoding="utf-8"), paths))
+    if not quiet:
+        tqdm.write(f"report: {len(done)}/{len(rows)} cells -> {paths['csv']}, {paths['md']}"
+                   + (f", {out / 'pareto.png'}" if done else " (no finished cell yet: no plots)"))
+    return paths

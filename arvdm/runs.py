@@ -1,0 +1,77 @@
+"""A trained run, ready to use: its denoiser (newest checkpoint) and its validation episodes.
+
+    from arvdm.runs import load_for_inference, load_validation_episodes
+    model, cfg = load_for_inference("runs/tiny")                       # EMA weights, eval mode
+    video, actions, pose = load_validation_episodes(cfg.data.path, cfg, n_episodes=2, context=8, frames=48)
+
+This is where checkpoint I/O (arvdm.checkpoint) meets the model (arvdm.model) and the data (data.dataset);
+sampling, hybrid attention and the benchmarks build on it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from arvdm.errors import ArvdmError
+
+from .checkpoint import load_config, load_weights, resolve_checkpoint
+from .model import Denoiser
+
+
+class SamplingError(ArvdmError):
+    """The run, the data or the settings cannot produce the requested rollout."""
+
+
+def load_for_inference(run_dir: str | os.PathLike, use_ema: bool = True, device: str | torch.device = "cpu"):
+    """Rebuild the denoiser of a run (newest checkpoint) for sampling, in eval mode. Returns ``(model, cfg)``.
+
+    `run_dir` may also be one checkpoint folder. With `use_ema` the EMA weights are loaded when the
+    checkpoint has them (it does for every checkpoint train.py writes).
+    """
+    ckpt = resolve_checkpoint(run_dir)
+    cfg = load_config(ckpt)
+    model = Denoiser(cfg)
+    weights = ckpt / "ema.safetensors" if use_ema and (ckpt / "ema.safetensors").is_file() \
+        else ckpt / "model.safetensors"
+    load_weights(model, weights, what="EMA weights" if weights.name.startswith("ema") else "weights")
+    return model.to(device).eval(), cfg
+
+
+def load_validation_episodes(root: str | os.PathLike, cfg, n_episodes: int, context: int, frames: int | None,
+                             split: str = "validation") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The first `n_episodes` episodes of `split` (default validation) from frame 0, at the run's resolution.
+
+    Returns video (N, T, C, H, W) in [-1, 1], actions (N, T) int64 and pose (N, T, 3) or None, with
+    T = context + frames (frames=None: the longest T every chosen episode holds).
+    """
+    from data.dataset import ClipDataset, resolve_split
+
+    split = resolve_split(root, split)
+    skip = cfg.data.frame_skip
+    probe = ClipDataset(split, n_frames=1, frame_skip=skip, random_start=True, resize=cfg.data.resize,
+                        skip_bad=cfg.data.skip_bad_files, progress=False)
+    available = [(int(n) - 1) // skip + 1 for n in probe.lengths[:n_episodes]]  # frames after frame_skip
+    t = context + frames if frames is not None else min(available)
+    if t > min(available):
+        raise SamplingError(f"--context {context} + --frames {frames} = {t} frames, but validation episode(s) in "
+                            f"{split} hold only {min(available)}; ask for fewer frames")
+    ds = ClipDataset(split, n_frames=t, frame_skip=skip, random_start=True, resize=cfg.data.resize,
+                     skip_bad=cfg.data.skip_bad_files, progress=False)
+    # with random_start every valid start is a clip: the clip at (episode e, frame 0) comes after all
+    # the clips of episodes 0..e-1
+    starts = np.concatenate([[0], np.cumsum(np.maximum(ds.lengths - ds.span + 1, 0))])
+    items = [ds[int(starts[e])] for e in range(len(available))]
+    video = torch.stack([it["video"] for it in items])  # (N, T, C, H, W)
+    if video.shape[-1] != cfg.model.image_size or video.shape[-2] != cfg.model.image_size:
+        raise SamplingError(f"data at another resolution: {split} gives {tuple(video.shape[-2:])} frames, the "
+                            f"checkpoint was trained at {cfg.model.image_size}x{cfg.model.image_size} "
+                            f"(set data.resize when training, or pass matching data)")
+    actions = torch.stack([it["actions"] for it in items])  # (N, T)
+    if int(actions.max()) >= cfg.model.num_actions:
+        raise SamplingError(f"{split} has action {int(actions.max())} but the checkpoint knows "
+                            f"{cfg.model.num_actions} actions")
+    poses = torch.stack([it["pose"] for it in items]) if all("pose" in it for it in items) else None
+    return video, actions, poses

@@ -1,0 +1,28 @@
+"""Process settings a CLI makes once, first thing, before torch starts its thread pool.
+
+    from arvdm.runtime import setup_environment
+    setup_environment()      # first line of every CLI's main(), before anything imports torch
+
+Importing this module loads nothing heavy (``arvdm/__init__.py`` is empty), so a CLI can call it first.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Values a CLI sets unless the user's environment already does (the user's wins).
+THREAD_ENVIRONMENT = {
+    # Idle OpenMP threads spin-wait by default; on a CPU shared with other jobs that made a tiny model's
+    # training step many times slower (benchmarks/RESULTS.md). Read when torch loads OpenMP.
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
+
+
+def setup_environment() -> dict[str, str]:
+    """Set the thread/OpenMP environment (`THREAD_ENVIRONMENT`, user values win); returns what is in effect.
+
+    Call before torch is imported: OpenMP reads these variables once, when it starts.
+    """
+    for key, value in THREAD_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in THREAD_ENVIRONMENT}
