@@ -167,7 +167,8 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
         return x
 
     if spec_rows is not None:
-        def run_rows_speculative(rows: torch.Tensor, stage: str, ar_step: int, offset: int) -> torch.Tensor:
+        def run_rows_speculative(rows: torch.Tensor, rows_b: torch.Tensor, stage: str, ar_step: int,
+                                 offset: int) -> torch.Tensor:
             nonlocal x
             x = spec_rows.run_rows(x, rows, acts[:, offset:offset + w], stage, ar_step)
             return x

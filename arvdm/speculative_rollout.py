@@ -47,6 +47,7 @@ from memory.cache import KVCache
 
 from .bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec, hindsight_regret
 from .diffusion import PerFrameDiffusion
+from .errors import ArvdmError
 from .speculative import gaussian_accept_or_reflect
 
 __all__ = ["Speculation", "RoundRecord", "RowCheck", "tile_state", "make_speculation", "speculation_report",
@@ -54,6 +55,10 @@ __all__ = ["Speculation", "RoundRecord", "RowCheck", "tile_state", "make_specula
 
 FROZEN = "frozen"
 NO_DRAFT = "none"
+
+
+class SpeculationError(ArvdmError):
+    """Speculative-sampling settings that cannot run (arms, drafts, --speculate, eta = 0)."""
 
 
 @dataclass
@@ -107,15 +112,15 @@ class Speculation:
 
     def __post_init__(self):
         if not self.arms:
-            raise ValueError("Speculation needs at least one arm")
+            raise SpeculationError("Speculation needs at least one arm")
         for lookahead, draft in self.arms:
             if int(lookahead) < 1:
-                raise ValueError(f"arm lookahead must be >= 1, got {lookahead}")
+                raise SpeculationError(f"arm lookahead must be >= 1, got {lookahead}")
             if int(lookahead) > 1 and draft != FROZEN and draft not in self.drafts:
-                raise ValueError(f"arm draft {draft!r} is neither {FROZEN!r} nor a key of drafts "
+                raise SpeculationError(f"arm draft {draft!r} is neither {FROZEN!r} nor a key of drafts "
                                  f"({sorted(self.drafts)})")
         if self.policy.n_arms != len(self.arms):
-            raise ValueError(f"policy has {self.policy.n_arms} arms, Speculation has {len(self.arms)}")
+            raise SpeculationError(f"policy has {self.policy.n_arms} arms, Speculation has {len(self.arms)}")
 
     # -- summaries ------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -181,7 +186,7 @@ class SpeculativeRows:
                  generator: torch.Generator | None, batch: int, randn: Callable[..., torch.Tensor], *,
                  state: Any = None, bank: MemoryBank | None = None):
         if float(eta) <= 0:
-            raise ValueError("speculative sampling needs eta > 0: with eta = 0 every transition is deterministic "
+            raise SpeculationError("speculative sampling needs eta > 0: with eta = 0 every transition is deterministic "
                              "(sigma = 0), a drafted row is accepted only if it equals the target's bit for bit, "
                              "so speculation cannot save a target call")
         self.spec, self.model, self.diffusion, self.eta = spec, model, diffusion, float(eta)
@@ -343,7 +348,7 @@ def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
     drafts = {FROZEN: None} if not drafts else dict(drafts)
     for name, model in drafts.items():
         if (name == FROZEN) != (model is None):
-            raise ValueError(f"draft {name!r}: the frozen draft takes no model, any other draft needs one")
+            raise SpeculationError(f"draft {name!r}: the frozen draft takes no model, any other draft needs one")
     names = list(drafts)
     models = {name: m for name, m in drafts.items() if m is not None}
     if mode.startswith("fixed:"):
@@ -352,13 +357,13 @@ def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
         except ValueError:
             lookahead = 0
         if lookahead < 1:
-            raise ValueError(f"--speculate {mode!r}: expected fixed:L with an integer lookahead L >= 1")
+            raise SpeculationError(f"--speculate {mode!r}: expected fixed:L with an integer lookahead L >= 1")
         return Speculation([(lookahead, names[0] if lookahead > 1 else NO_DRAFT)], FixedArm(1, 0), models, seed)
     if mode not in ("ucb", "exp3"):
-        raise ValueError(f"--speculate {mode!r}: expected ucb, exp3 or fixed:L")
+        raise SpeculationError(f"--speculate {mode!r}: expected ucb, exp3 or fixed:L")
     ls = sorted({int(v) for v in lookaheads} | {1})
     if ls[0] < 1:
-        raise ValueError(f"lookaheads must be >= 1, got {list(lookaheads)}")
+        raise SpeculationError(f"lookaheads must be >= 1, got {list(lookaheads)}")
     arms = [(1, NO_DRAFT)] + [(L, name) for name in names for L in ls if L > 1]
     reward_range = max(1, ls[-1] - 1)  # rewards (rows per round) lie in [1, max L] ⊂ [1, L+1]
 

@@ -17,7 +17,8 @@ from memory import (
 
 
 def tiny_cfg(*overrides):
-    base = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
+    base = ["model.image_size=16", "model.unet_channels=[8,16]", "model.patch_size=2", "model.dim=32", "model.depth=2",
+            "model.heads=2",
             "model.num_actions=4", "diffusion.num_levels=100", "memory.length=4"]
     return apply_overrides(get_preset("tiny"), base + list(overrides))
 

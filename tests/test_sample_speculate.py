@@ -57,7 +57,7 @@ def test_speculate_cli_is_exact_and_writes_its_report(run, tmp_path, capsys):
 
 
 def test_speculate_bad_input_exits_2(run, tmp_path, capsys):
-    assert sample.main(["--run", str(run), "--speculate", "ucb", "--out", str(tmp_path / "a")]) == 2  # eta = 0
+    assert sample.main(["--run", str(run), "--speculate", "ucb", "--eta", "0", "--out", str(tmp_path / "a")]) == 2
     assert "needs --eta > 0" in capsys.readouterr().err
     assert _sample(run, tmp_path / "a", "--speculate", "ucb", "--lookaheads", "2,x") == 2
     assert _sample(run, tmp_path / "b", "--speculate", "sometimes") == 2

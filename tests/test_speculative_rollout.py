@@ -177,7 +177,7 @@ def test_tiny_model_speculative_pixels_have_plain_law():
     with torch.no_grad():
         g = torch.Generator().manual_seed(9)
         for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.003)
+            p.add_(torch.randn(p.shape, generator=g) * 0.001)
     b = 96
     plain = torch.cat([tiny_rollout(target, b, seed=s, n_frames=2) for s in range(2)])  # (2b, 2, 3, 16, 16)
     spec = Speculation(arms=[(3, "copy"), (2, FROZEN)], policy=UCBSpec(2, 2), drafts={"copy": other})

@@ -22,14 +22,15 @@ def _clips(trainer, n):
     return training._collate(items)
 
 
-def _per_clip_loss(model, diffusion, video, actions, memory_length, num_levels, generator, autocast):
+def _per_clip_loss(model, diffusion, video, actions, memory_length, num_levels, generator, autocast,
+                   weight="uniform", gamma=5.0):
     """The real loss, applied clip by clip with noise seeded by the clip's content, so a clip draws the same
     levels and noise whichever micro-batch it lands in (the real one draws from one stream per batch)."""
     totals, counts = [], []
     for i in range(video.shape[0]):
         g = torch.Generator().manual_seed(int(actions[i].sum()) * 1000 + int(video[i, 0, 0, 0, 0] * 1000))
         t, c = real_loss(model, diffusion, video[i:i + 1], actions[i:i + 1], memory_length, num_levels, g,
-                         autocast)
+                         autocast, weight, gamma)
         totals.append(t)
         counts.append(c)
     return torch.stack(totals).sum(), torch.stack(counts).sum()
@@ -101,8 +102,12 @@ def test_compiled_training_step_matches_eager(tmp_path, data, monkeypatch, backe
         le, _ = eager.train_step(batch)
         lc, _ = comp.train_step(batch)
         torch.testing.assert_close(lc, le, rtol=1e-4, atol=1e-6)
+    # Adam's first steps move a weight by about +-lr whatever its gradient's size: a zero-initialised conv
+    # whose gradient is ~1e-9 in one graph and ~-1e-9 in the other (inductor fuses and reorders float sums)
+    # lands 2 lr apart. The losses above agree to 1e-4; the weights must agree to that bound.
+    atol = 1e-6 if backend == "aot_eager" else 2.5 * eager.cfg.train.lr
     for (n, p), q in zip(eager.model.named_parameters(), comp.model.parameters()):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=atol, msg=n)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
