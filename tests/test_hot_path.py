@@ -171,7 +171,6 @@ def _tiny_model(structure):
     return Denoiser(cfg).eval()
 
 
-@pytest.mark.xfail(strict=False, reason="model.py checks move at merge")
 @pytest.mark.parametrize("structure", ["prepend", "cross_attention"])
 def test_model_forward_makes_no_host_reads(monkeypatch, structure):
     model = _tiny_model(structure)
