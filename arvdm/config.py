@@ -127,6 +127,7 @@ class DataConfig:
     generate_episodes: int = 24
     generate_length: int = 128
     generate_policy: str = "revisit"
+    generate_seed: int = 0  # seed of the generated stand-in data set (independent of train.seed)
     frame_skip: int = 1
     resize: int = 0  # 0 = native resolution
     num_workers: int = 0
@@ -135,6 +136,7 @@ class DataConfig:
     def validate(self) -> None:
         _check(self.env in ("memory_maze", "crafter"), "data.env", self.env, "must be memory_maze or crafter")
         _check(self.frame_skip >= 1, "data.frame_skip", self.frame_skip, "must be >= 1")
+        _check(self.generate_seed >= 0, "data.generate_seed", self.generate_seed, "must be >= 0")
         _check(self.resize >= 0, "data.resize", self.resize, "must be >= 0")
 
 

@@ -172,7 +172,7 @@ def prepare_data(cfg: Config) -> Path:
 
     size = cfg.data.resize or cfg.model.image_size
     return Path(ensure_dataset(cfg.data.path, cfg.data.env, cfg.data.generate_episodes, cfg.data.generate_length,
-                               cfg.data.generate_policy, cfg.train.seed, size=size,
+                               cfg.data.generate_policy, cfg.data.generate_seed, size=size,
                                workers=max(1, min(2, os.cpu_count() or 1))))
 
 
