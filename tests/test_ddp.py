@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
 
-# Runs train.py's main() in each rank, after wrapping every function that writes run outputs so that
-# it first notes which rank called it (one file per rank in WRITES_DIR).
-LAUNCHER = textwrap.dedent("""
+# Worker preamble shared by the DDP tests: wraps every function that writes run outputs so that it first
+# notes which rank called it (one file per rank in WRITES_DIR).
+RECORD_WRITES = textwrap.dedent("""
     import os, sys
     import arvdm.training as T
 
@@ -33,8 +33,12 @@ LAUNCHER = textwrap.dedent("""
         return wrapper
 
     T.save_checkpoint = record("checkpoint", T.save_checkpoint)
-    T.write_side_by_side = record("sample", T.write_side_by_side)
     T._Logger.__init__ = record("log", T._Logger.__init__)
+""")
+
+# Runs train.py's main() in each rank (sample videos recorded too).
+LAUNCHER = RECORD_WRITES + textwrap.dedent("""
+    T.write_side_by_side = record("sample", T.write_side_by_side)
     sys.path.insert(0, os.environ["REPO"])
     import train
     sys.exit(train.main(sys.argv[1:]))

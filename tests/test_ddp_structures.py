@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_ddp import RECORD_WRITES
 from test_malformed_inputs import TINY, write_data
 
 from arvdm.config import apply_overrides, get_preset
@@ -35,21 +36,11 @@ if not torch.distributed.is_available():
 
 # Both ranks train every configuration of the matrix for two steps and all-gather their flattened weights.
 # Every function that writes run outputs first notes which rank called it (one file per rank).
-MATRIX_WORKER = textwrap.dedent("""
-    import json, os, sys
+MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
+    import json
     import torch, torch.distributed as dist
-    import arvdm.training as T
     from arvdm.config import apply_overrides, get_preset
 
-    def record(name, fn):
-        def wrapper(*args, **kwargs):
-            with open(os.path.join(os.environ["WRITES_DIR"], "rank" + os.environ["RANK"]), "a") as f:
-                f.write(name + "\\n")
-            return fn(*args, **kwargs)
-        return wrapper
-
-    T.save_checkpoint = record("checkpoint", T.save_checkpoint)
-    T._Logger.__init__ = record("log", T._Logger.__init__)
     torch.set_num_threads(1)
     info = T.setup_distributed("cpu", timeout_s=120)
     base, matrix, out = json.loads(os.environ["BASE"]), json.loads(os.environ["MATRIX"]), os.environ["OUT"]
