@@ -223,7 +223,7 @@ def plot_error_accumulation(
     for (name, values), style in zip((baselines or {}).items(), ("-", "--", ":", "-.")):
         y = _as_list(values)
         t_max = max(t_max, len(y))
-        ax.plot(range(len(y)), y, color="0.45", linestyle=style, linewidth=1.2, label=f"baseline: {name}")
+        ax.plot(range(len(y)), y, color="black", linestyle=style, linewidth=1.6, zorder=5, label=f"baseline: {name}")
     for name, spans in (reference or {}).items():
         xs, ys = [], []
         for label, v in spans.items():
