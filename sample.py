@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=None, help="ground-truth frames to condition on")
     p.add_argument("--episodes", type=int, default=4, help="validation episodes to roll out")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--eta", type=float, default=1.0,
-                   help="0 = DDIM, 1 = DDPM-like (default 1: sharper and +0.5 dB over the first 4 frames of "
-                        "the tiny model, benchmarks/RESULTS.md)")
+    p.add_argument("--eta", type=float, default=None,
+                   help="0 = DDIM, 1 = DDPM-like (default: the run's diffusion.eta, 1 for the presets: sharper "
+                        "and better over the first frames of the tiny model, benchmarks/RESULTS.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
     p.add_argument("--split", default="validation", choices=["validation", "training"],

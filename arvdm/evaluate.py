@@ -80,6 +80,7 @@ def evaluate_rollout(
     seed: int = 0,
     criterion: str = "rank",
     n_distractors: int = 4,
+    baselines: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything eval.json reports for a batch of rollouts against their ground-truth episodes.
 
@@ -99,6 +100,8 @@ def evaluate_rollout(
         n_random_per_probe, seed: random (non-revisit) pairs drawn per probe for calibration.
         criterion, n_distractors: when a revisit counts as retrieved (``arvdm.retrieval.evaluate_retrieval``);
             the copy-last predictor is scored the same way (``retrieval_baselines``).
+        baselines: ``compare_with_baselines(gen, real, context, span)`` if the caller already has it
+            (``sample_run`` does), so it is not computed twice.
     Returns:
         A JSON-ready dict; see docs/evaluation.md for every field.
     """
@@ -133,13 +136,14 @@ def evaluate_rollout(
     }
     # Beside the model, always: copy-last, context-mean, sharpness and a verdict (arvdm.baselines).
     if context >= 1:
-        result.update(compare_with_baselines(gen, real[:, :context + n], context, span))
+        result.update(baselines or compare_with_baselines(gen, real[:, :context + n], context, span))
     kw = dict(context=context, window_reach=window_reach, threshold=threshold, pos_tol=pos_tol,
               heading_tol=heading_tol, bins=bins, n_random_per_probe=n_random_per_probe, seed=seed,
               criterion=criterion, n_distractors=n_distractors)
     result.update(R.evaluate_retrieval(gen, real, poses, **kw))
     if context >= 1 and result.get("n_probes"):
         # the same probes scored on a predictor without memory: what retrieval a still world gets
+        kw["threshold"] = result["retrieval_threshold"]  # calibrated once, on the ground truth, above
         copy = R.evaluate_retrieval(baseline_frames(real, context, n, "copy_last"), real, poses, **kw)
         result["retrieval_baselines"] = {"copy_last": {"retrieval_mean": copy["retrieval_mean"],
                                                        "retrieval_by_span": copy["retrieval_by_span"]}}

@@ -347,9 +347,10 @@ def _rank_retrieved(gen, real, poses, probes, scores, context, window_reach, pos
     k distractors d (``_random_pairs``: pose unlike t's, |t - d| > window_reach). Returns the probes that
     had distractors and a bool tensor of their outcomes."""
     g = torch.Generator().manual_seed(seed + 1)
+    match = {e: pose_match_matrix(poses[e], pos_tol, heading_tol) for e in {pr.b for pr in probes}}  # (T, T) each
     kept, ok = [], []
     for i, pr in enumerate(probes):
-        pairs = _random_pairs(pose_match_matrix(poses[pr.b], pos_tol, heading_tol), [pr], window_reach, k, g)
+        pairs = _random_pairs(match[pr.b], [pr], window_reach, k, g)
         if not pairs:
             continue
         d = [r for _, r in pairs]

@@ -22,6 +22,7 @@ out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -34,7 +35,7 @@ import torch
 
 from data.episodes import atomic_write, atomic_write_text
 
-from .baselines import BASELINES, baseline_frames, compare_with_baselines
+from .baselines import compare_with_baselines
 from .checkpoint import parse_device, resolve_data_path
 from .diffusion import PerFrameDiffusion
 from .evaluate import evaluate_rollout, write_eval_json
@@ -55,7 +56,7 @@ class SampleSettings:
     context: int | None = None  # ground-truth frames to condition on; None = max(memory length, 1 chunk)
     episodes: int = 4
     batch_size: int = 4
-    eta: float = 1.0  # 0 = DDIM, 1 = DDPM-like (measured better on the tiny model: benchmarks/RESULTS.md)
+    eta: float | None = None  # 0 = DDIM, 1 = DDPM-like; None = the run's diffusion.eta
     seed: int = 0
     use_cache: bool = True  # False = recompute the memory at every denoising call (Diffusion Forcing)
     evaluate: bool = False
@@ -81,7 +82,7 @@ class SampleSettings:
                                 ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
                 raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
-        if not 0.0 <= float(self.eta) <= 1.0:  # also refuses NaN
+        if self.eta is not None and not 0.0 <= float(self.eta) <= 1.0:  # also refuses NaN
             raise SamplingError(f"--eta must be in [0, 1] (0 = DDIM, 1 = DDPM-like), got {self.eta!r}")
         if str(self.schedule) not in PRESETS and not Path(self.schedule).is_file():
             raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
@@ -100,6 +101,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         raise SamplingError(f"--out {out}: exists and is not a folder")
     device = parse_device(settings.device)
     model, cfg = load_for_inference(run_dir, use_ema=settings.use_ema, device=device)
+    if settings.eta is None:  # the run's own sampling eta (diffusion.eta), recorded as used
+        settings = dataclasses.replace(settings, eta=cfg.diffusion.eta)
     model, _ = wrap_for_sampling(model, cfg, run_dir, settings.hybrid)  # lazy layers stream when asked
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     if settings.compile:
@@ -153,16 +156,15 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     target = real[:, context:]  # (N, n_gen, C, H, W)
     psnr, ssim = psnr_per_frame(gen, target), ssim_per_frame(gen, target)  # (N, n_gen) each
     extra = {"gradient_ratio": spatial_gradient_per_frame(gen) / spatial_gradient_per_frame(target).clamp(min=1e-12)}
-    if context >= 1:  # the trivial predictors, frame by frame, beside the model
-        for kind in BASELINES:
-            pred = baseline_frames(real, context, n_gen, kind)
-            extra[f"psnr_{kind}"], extra[f"ssim_{kind}"] = psnr_per_frame(pred, target), ssim_per_frame(pred, target)
+    cmp = compare_with_baselines(gen, real, context) if context >= 1 else None
+    for kind, curves in (cmp or {}).get("baselines", {}).items():  # the trivial predictors, frame by frame
+        extra[f"psnr_{kind}"] = torch.tensor(curves["psnr_curve"])  # (n_gen,) mean over episodes
+        extra[f"ssim_{kind}"] = torch.tensor(curves["ssim_curve"])
     paths["metrics"] = write_metrics_csv(out / "metrics.csv", psnr, ssim, extra=extra)
     summary: dict[str, Any] = {"psnr_mean": float(psnr[torch.isfinite(psnr)].mean()),
                                "ssim_mean": float(ssim.mean()), "frames": n_gen, "context": context,
                                "episodes": real.shape[0], "schedule": schedule.name}
-    if context >= 1:
-        cmp = compare_with_baselines(gen, real, context)
+    if cmp is not None:
         summary.update(first_frames=cmp["first_frames"], gradient_ratio_first16=cmp["gradient_ratio_first16"],
                        verdict=cmp["verdict"]["message"])
     if isinstance(model, HybridModel):
@@ -176,7 +178,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         summary["speculation"] = [{k: v for k, v in rep.items() if not k.endswith("_trace") and k != "arm_per_round"}
                                   for rep in reports]
     if settings.evaluate:
-        result = evaluate_rollout(fake, real, poses, context, window_reach=cfg.train.window)
+        result = evaluate_rollout(fake, real, poses, context, window_reach=cfg.train.window, baselines=cmp)
         paths["eval"] = write_eval_json(out / "eval.json", result, extra={
             "run": str(run_dir), "settings": asdict(settings), "schedule": schedule.to_dict(),
             "config": cfg.to_dict(), **({"hybrid": summary["hybrid"]} if "hybrid" in summary else {})})

@@ -58,7 +58,6 @@ from arvdm.errors import ArvdmError
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
 SAMPLE_WINDOWS = 2  # ... and how many windows of frames it then generates
 SAMPLE_STEPS = 20  # denoising steps per AR step for the sample video (chunked schedule)
-SAMPLE_ETA = 1.0  # as sample.py's default
 SAMPLE_CLIPS = 2  # validation clips in the sample video (stacked vertically)
 LOG_COLUMNS = ["step", "loss", "lr", "grad_norm", "steps_per_s", "frames_per_s", "val_loss", "val_loss_ema",
                "elapsed_s"]
@@ -551,7 +550,8 @@ class Trainer:
         schedule = get_schedule("chunked", self.w, self.K, SAMPLE_STEPS)
         g = torch.Generator(device=self.device).manual_seed(_mix(self.cfg.train.seed, "sample"))
         fake = rollout(self.ema.model, self.diffusion, schedule, video[:, :ctx], actions[:, :ctx],
-                       actions[:, ctx:], n_gen, eta=SAMPLE_ETA, generator=g, progress=False)  # (B, n_gen, C, H, W)
+                       actions[:, ctx:], n_gen, eta=self.cfg.diffusion.eta, generator=g,
+                       progress=False)  # (B, n_gen, C, H, W)
         real = video[:, ctx:]
         path = self.run_dir / "samples" / f"step_{self.step:07d}.mp4"
         write_side_by_side(path, real, fake)

@@ -96,3 +96,12 @@ def test_metrics_csv_extra_columns(tmp_path):
     rows = list(csv.DictReader(open(path)))
     assert list(rows[0]) == ["frame", "psnr", "ssim", "psnr_copy_last", "n"]
     assert float(rows[1]["psnr_copy_last"]) == pytest.approx(31.0)  # mean of 21 and 41
+
+
+def test_evaluate_rollout_takes_a_precomputed_comparison_unchanged():
+    g = torch.Generator().manual_seed(2)
+    real = torch.rand(2, 10, 3, 12, 12, generator=g) * 2 - 1
+    gen = torch.rand(2, 6, 3, 12, 12, generator=g) * 2 - 1
+    cmp = compare_with_baselines(gen, real, context=4)
+    with_cmp = evaluate_rollout(gen, real, None, context=4, window_reach=4, baselines=cmp)
+    assert with_cmp == evaluate_rollout(gen, real, None, context=4, window_reach=4)

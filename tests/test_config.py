@@ -37,6 +37,9 @@ def test_bad_overrides_name_the_key(override, message):
     (["model.frames_per_chunk=3"], "train.window"),
     (["memory.retention=sink_recent", "memory.sink=4", "memory.recent=8", "memory.length=8"], "sink"),
     (["diffusion.eta=2"], "diffusion.eta"),
+    (["model.unet_channels=[32,64]", "model.patch_size=2", "model.image_size=34"], r"2\*\*\(levels-1\) = 4"),
+    (["model.unet_channels=[32,0]"], "model.unet_channels"),
+    (["train.loss_weight=p2"], "train.loss_weight"),
 ])
 def test_out_of_range_values_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -162,3 +162,18 @@ def test_deterministic_step_draws_no_noise():
     a = d.step(x, v, torch.tensor([[10, 20]]), torch.tensor([[5, 10]]), 0.7, torch.Generator().manual_seed(3))
     b = d.step(x, v, torch.tensor([[10, 20]]), torch.tensor([[5, 10]]), 0.7, torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
+
+
+def test_min_snr_loss_weight_caps_the_low_noise_levels():
+    """min(1, 5 / (1 + SNR)): weight 1 where SNR <= 4 (the noisy levels a rollout starts from), 5/(1+SNR)
+    above, 0 at the clean level; uniform is 1 everywhere."""
+    d = PerFrameDiffusion(DiffusionConfig(num_levels=1000))
+    levels = torch.arange(0, 1001)
+    snr = d.snr(levels)
+    w = d.loss_weight(levels, "min_snr", 5.0)
+    assert w.dtype == torch.float32 and w[0] == 0 and w[-1] == 1
+    torch.testing.assert_close(w.double(), (5.0 / (1 + snr)).clamp(max=1.0), atol=1e-6, rtol=0)
+    assert (w[snr <= 4] == 1).all() and (w[snr > 4] < 1).all()
+    assert (d.loss_weight(levels, "uniform") == 1).all()
+    with pytest.raises(ValueError, match="unknown loss weight"):
+        d.loss_weight(levels, "p2")

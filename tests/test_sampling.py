@@ -64,6 +64,8 @@ def test_sample_writes_video_arrays_metrics_and_eval(run, tmp_path):
     ev = json.loads((out / "eval.json").read_text())
     for key in ("psnr_by_span", "ssim_by_span", "max_psnr_decay", "retrieval_by_span", "retrieval_threshold"):
         assert key in ev
+    # no --eta given: the run's own diffusion.eta (1 in the presets) is used and recorded
+    assert ev["settings"]["eta"] == ev["config"]["diffusion"]["eta"] == 1.0
     assert (out / "rollout.mp4").stat().st_size > 0
     import imageio.v2 as imageio
     strip = imageio.imread(out / "rollout.png")  # 2 episodes x (truth row, generated row), 12 frames, 2x
@@ -112,3 +114,13 @@ def test_bad_input_exits_nonzero_with_a_clear_message(run, tmp_path, capsys):
     assert sample.main(["--run", str(run_dir), "--data", str(other), "--out", str(tmp_path / "o")]) == 2
     assert "resolution" in capsys.readouterr().err
     assert not (tmp_path / "o" / "rollout.npz").exists()
+
+
+def test_split_training_rolls_out_the_training_episodes(run, tmp_path):
+    """--split training rolls out another split of the folder (e.g. fresh episodes the run never saw)."""
+    run_dir, data = run
+    out = tmp_path / "train_split"
+    assert sample.main(["--run", str(run_dir), "--frames", "4", "--context", "4", "--episodes", "1",
+                        "--steps", "2", "--split", "training", "--out", str(out)]) == 0
+    real = np.load(out / "rollout.npz")["real"]
+    np.testing.assert_array_equal(real[0], np.load(data / "training" / "ep_000000.npz")["video"][:8])
