@@ -136,7 +136,7 @@ class TemporalAttention(nn.Module):
     """Block-causal attention across frames through `kernels.chunked_attention`.
 
     The frames of `x` are `n_prefix` prefix frames (memory, latents or frames being committed) followed
-    by window frames. Keys are `past` (cached, already rotated) + the prefix + the window:
+    by window frames. Keys are `past` (a `KVCache` of earlier frames, already rotated) + the prefix + the window:
       - prefix queries see the past and the prefix (chunked by `prefix_chunk`), never the window;
       - window queries see everything before them and their own chunk (`frames_per_chunk`).
     `streaming = (sink, recent)` makes this layer a streaming layer (the hybrid-attention layout).
@@ -173,10 +173,14 @@ class TemporalAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = self._to_seq(q), self._to_seq(k), self._to_seq(v)  # (B',H,T*tpf,hd)
         tpf = 1 if self.form == "factorized" else n
-        n_past = 0 if past is None else past[0].shape[2] // tpf  # frames already in the cache
-        # (a cache filled under another autocast dtype is cast to this call's dtype)
-        keys = k if past is None else torch.cat([past[0].to(k.dtype), k], dim=2)  # (B',H,(P+T)*tpf,hd)
-        vals = v if past is None else torch.cat([past[1].to(v.dtype), v], dim=2)
+        n_past = 0 if past is None else past.num_frames  # frames already in the cache
+        keys, vals = k, v
+        if n_past:
+            pk, pv = past.keys_values()  # (B',H,P*tpf,hd) views
+            if pk.dtype == k.dtype:  # past + window as views of the cache buffer: no copy of the past per call
+                keys, vals = past.keys_values_with(k, v)  # (B',H,(P+T)*tpf,hd)
+            else:  # a cache filled under another autocast dtype is cast to this call's dtype
+                keys, vals = torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)
         kw = dict(tokens_per_frame=tpf)
         if self.streaming is not None:
             kw.update(sink_frames=self.streaming[0], recent_frames=self.streaming[1])
@@ -646,7 +650,7 @@ class Denoiser(nn.Module):
                 raise DenoiserError(f"state was made for batch {state.batch_size}, the window has batch {b}")
             pos = state.n_committed + torch.arange(t, device=x.device)  # (T,)
             if self.structure == "prepend":
-                pasts = [c.keys_values() for c in state.caches]
+                pasts = state.caches
             elif self.structure == "channel_concat":
                 vec = state.memory_vec if state.memory_vec is not None else self._concat_vector(None, b)
                 h = h + vec[:, None]  # (B,T,N,D)
@@ -725,7 +729,7 @@ class Denoiser(nn.Module):
             cond = self._cond(torch.zeros_like(actions), actions)  # clean frames: level 0
             h, _ = self._embed_frames(frames, cond)  # (B,n,N,D)
             pos = start + torch.arange(n, device=frames.device)  # (n,)
-            _, kvs = self._run(h, cond, pos, pasts=[c.keys_values() for c in state.caches], n_prefix=n,
+            _, kvs = self._run(h, cond, pos, pasts=state.caches, n_prefix=n,
                                prefix_chunk=self.frames_per_chunk)
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, range(start, start + n))

@@ -202,20 +202,20 @@ def test_conversion_leaves_full_layers_alone_and_cutting_streaming_caches_is_los
     before = [(k.clone(), v.clone()) for k, v in before]
     x = torch.randn(1, 3, 16, 32)  # (B, T, N, D) a window's tokens
     cos, sin = model.rope(torch.arange(12, 15))
-    outs_full = [layer(x, cos, sin, past=kv)[0] for layer, kv in zip(layers, before)]
+    outs_full = [layer(x, cos, sin, past=cache)[0] for layer, cache in zip(layers, state.caches)]
     for layer in layers:  # the streaming mask alone, on the full (uncut) cache
         layer.streaming = (2, 3)
-    outs_mask = [layer(x, cos, sin, past=kv)[0] for layer, kv in zip(layers, before)]
+    outs_mask = [layer(x, cos, sin, past=cache)[0] for layer, cache in zip(layers, state.caches)]
 
     H.convert(layers, [1, 3], sink=2, recent=3, caches=state.caches, n_committed=state.n_committed)
     assert [layer.streaming for layer in layers] == [None, (2, 3), None, (2, 3)]
     for i in (0, 2):  # full layers: the same cache and the same output on the same inputs
         assert state.caches[i].frame_ids == list(range(12))
         assert torch.equal(state.caches[i].keys_values()[0], before[i][0])
-        assert torch.equal(layers[i](x, cos, sin, past=state.caches[i].keys_values())[0], outs_full[i])
+        assert torch.equal(layers[i](x, cos, sin, past=state.caches[i])[0], outs_full[i])
     for i in (1, 3):  # streaming layers: cut at once to sink + recent, same output as the mask on the full cache
         assert state.caches[i].frame_ids == [0, 1, 9, 10, 11]
-        out = layers[i](x, cos, sin, past=state.caches[i].keys_values())[0]
+        out = layers[i](x, cos, sin, past=state.caches[i])[0]
         torch.testing.assert_close(out, outs_mask[i], atol=1e-5, rtol=0)
         assert (out - outs_full[i]).abs().max() > 1e-3
 
