@@ -58,13 +58,16 @@ def first_frames_mean(per_frame: Tensor, ks=FIRST_FRAMES) -> dict[str, float]:
 def gradient_ratio_by_span(gen: Tensor, real: Tensor, span: int = 16) -> list[dict[str, Any]]:
     """Spatial-gradient ratio generated / real per span of frames: sum of mean |∇| over the span's frames
     and episodes, generated over real. gen, real: (B, N, C, H, W) aligned frame for frame."""
-    g, r = spatial_gradient_per_frame(gen), spatial_gradient_per_frame(real)  # (B, N) each
-    out = []
-    for s in summarise_by_span(g, span):
-        a, b = s["start"], s["end"]
-        ratio = float(g[:, a:b].double().sum() / r[:, a:b].double().sum().clamp(min=1e-12))
-        out.append({**s, "mean": ratio})
-    return out
+    return _ratio_by_span(spatial_gradient_per_frame(gen), spatial_gradient_per_frame(real), span)
+
+
+def _ratio(g: Tensor, r: Tensor, a: int, b: int) -> float:
+    """Sum of per-frame gradients g over frames a..b-1 and episodes, over that of r ((B, N) each)."""
+    return float(g[:, a:b].double().sum() / r[:, a:b].double().sum().clamp(min=1e-12))
+
+
+def _ratio_by_span(g: Tensor, r: Tensor, span: int) -> list[dict[str, Any]]:
+    return [{**s, "mean": _ratio(g, r, s["start"], s["end"])} for s in summarise_by_span(g, span)]
 
 
 def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 16) -> dict[str, Any]:
@@ -75,7 +78,8 @@ def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 
         real: (B, context + N, C, H, W) ground truth, context included.
     Returns:
         A JSON-ready dict: ``first_frames`` (PSNR/SSIM of model and baselines over the first 1/4/16 frames),
-        ``baselines`` (per baseline: psnr_by_span, ssim_by_span, psnr_curve), ``gradient_ratio_by_span``,
+        ``baselines`` (per baseline: psnr_by_span, ssim_by_span, psnr_curve, ssim_curve),
+        ``gradient_ratio_by_span``, ``gradient_ratio_curve`` (per frame, over all episodes),
         ``gradient_ratio_first16`` and ``verdict`` (``beats_copy_last``, ``sharp``, ``message``).
     """
     n = gen.shape[1]
@@ -92,13 +96,12 @@ def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 
                            "ssim_by_span": summarise_by_span(ssim[kind], span),
                            "psnr_curve": psnr[kind].double().mean(0).tolist(),
                            "ssim_curve": ssim[kind].double().mean(0).tolist()}
-    grad_spans = gradient_ratio_by_span(gen, target, span)
-    k16 = min(16, n)
-    g16 = float(spatial_gradient_per_frame(gen[:, :k16]).double().sum()
-                / spatial_gradient_per_frame(target[:, :k16]).double().sum().clamp(min=1e-12))
+    g, r = spatial_gradient_per_frame(gen), spatial_gradient_per_frame(target)  # (B, N) each, computed once
+    g16 = _ratio(g, r, 0, 16)
     first = {name: {"psnr": first_frames_mean(psnr[name]), "ssim": first_frames_mean(ssim[name])}
              for name in ("model", *BASELINES)}
-    return {"first_frames": first, "baselines": baselines, "gradient_ratio_by_span": grad_spans,
+    return {"first_frames": first, "baselines": baselines, "gradient_ratio_by_span": _ratio_by_span(g, r, span),
+            "gradient_ratio_curve": [_ratio(g, r, i, i + 1) for i in range(n)],
             "gradient_ratio_first16": g16, "verdict": verdict(first, g16)}
 
 

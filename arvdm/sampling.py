@@ -40,7 +40,7 @@ from .checkpoint import parse_device, resolve_data_path
 from .diffusion import PerFrameDiffusion
 from .evaluate import evaluate_rollout, write_eval_json
 from .hybrid import HybridModel, wrap_for_sampling
-from .metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, write_metrics_csv
+from .metrics import psnr_per_frame, ssim_per_frame, write_metrics_csv
 from .pipeline import rollout
 from .runs import SamplingError, load_for_inference, load_validation_episodes
 from .schedules import get_schedule
@@ -155,8 +155,10 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     }
     target = real[:, context:]  # (N, n_gen, C, H, W)
     psnr, ssim = psnr_per_frame(gen, target), ssim_per_frame(gen, target)  # (N, n_gen) each
-    extra = {"gradient_ratio": spatial_gradient_per_frame(gen) / spatial_gradient_per_frame(target).clamp(min=1e-12)}
+    extra: dict[str, torch.Tensor] = {}
     cmp = compare_with_baselines(gen, real, context) if context >= 1 else None
+    if cmp is not None:  # sharpness per frame (generated / real over all episodes)
+        extra["gradient_ratio"] = torch.tensor(cmp["gradient_ratio_curve"])  # (n_gen,)
     for kind, curves in (cmp or {}).get("baselines", {}).items():  # the trivial predictors, frame by frame
         extra[f"psnr_{kind}"] = torch.tensor(curves["psnr_curve"])  # (n_gen,) mean over episodes
         extra[f"ssim_{kind}"] = torch.tensor(curves["ssim_curve"])

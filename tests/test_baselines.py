@@ -105,3 +105,14 @@ def test_evaluate_rollout_takes_a_precomputed_comparison_unchanged():
     cmp = compare_with_baselines(gen, real, context=4)
     with_cmp = evaluate_rollout(gen, real, None, context=4, window_reach=4, baselines=cmp)
     assert with_cmp == evaluate_rollout(gen, real, None, context=4, window_reach=4)
+
+
+def test_gradient_ratio_curve_per_frame_and_first16():
+    g = torch.Generator().manual_seed(3)
+    real = torch.rand(2, 7, 3, 12, 12, generator=g) - 0.5
+    gen = real[:, 2:].clone()
+    gen[:, 0] *= 3  # the first generated frame has 3x the contrast
+    r = compare_with_baselines(gen, real, context=2)
+    assert r["gradient_ratio_curve"][0] == pytest.approx(3.0, rel=1e-5)
+    assert r["gradient_ratio_curve"][1:] == pytest.approx([1.0] * 4, rel=1e-5)
+    assert r["gradient_ratio_first16"] > 1.0 and r["gradient_ratio_by_span"][0]["mean"] == r["gradient_ratio_first16"]
