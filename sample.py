@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2
     if "hybrid" in result["summary"]:
-        from arvdm.hybrid import describe
+        from arvdm.hybrid.convert import describe
 
         print(describe(result["summary"]["hybrid"]))
     print(json.dumps(result, indent=2))

@@ -13,8 +13,8 @@ out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, 
   are the ground truth it was given), as TECO's evaluation scripts read them;
 - ``metrics.csv``  per generated frame index (0 = first generated frame), mean over episodes: the model's
   PSNR and SSIM, the copy-last and context-mean baselines' (``psnr_copy_last``, ...) and the
-  spatial-gradient ratio generated / real (``arvdm.baselines``);
-- ``eval.json``    with ``evaluate=True``: spans, max PSNR decay, revisit retrieval, baselines (see arvdm.evaluate);
+  spatial-gradient ratio generated / real (``arvdm.evaluation.baselines``);
+- ``eval.json``    with ``evaluate=True``: spans, max PSNR decay, revisit retrieval, baselines (see arvdm.evaluation.evaluate);
 - ``speculation.json`` and ``speculation_arms.png`` with ``speculate``: per rollout the target rounds
   (sequential calls) and batched evaluations, rows per round, acceptance per noise level, the arms chosen
   over time, the regret against the best fixed arm (estimated from the observed rounds) and frames/s.
@@ -33,19 +33,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from arvdm.evaluation.baselines import compare_with_baselines
+from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
+from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame, write_metrics_csv
+from arvdm.hybrid.convert import HybridModel, wrap_for_sampling
+from arvdm.model.checkpoint import parse_device, resolve_data_path
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.pipeline.runs import SamplingError, load_for_inference, load_validation_episodes
+from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
+from arvdm.schedules.matrix import get_schedule
+from arvdm.speculative.rows import FROZEN, make_speculation, plot_arms, speculation_report
 from data.episodes import atomic_write, atomic_write_text
-
-from .baselines import compare_with_baselines
-from .checkpoint import parse_device, resolve_data_path
-from .diffusion import PerFrameDiffusion
-from .evaluate import evaluate_rollout, write_eval_json
-from .hybrid import HybridModel, wrap_for_sampling
-from .metrics import psnr_per_frame, ssim_per_frame, write_metrics_csv
-from .pipeline import rollout
-from .runs import SamplingError, load_for_inference, load_validation_episodes
-from .schedules import get_schedule
-from .speculative_rollout import FROZEN, make_speculation, plot_arms, speculation_report
-from .video import filmstrip, side_by_side, to_uint8, write_image, write_video
 
 
 @dataclass
@@ -75,7 +74,7 @@ class SampleSettings:
 
     def validate(self) -> SampleSettings:
         """Check every setting before any work starts; errors name the sample.py flag."""
-        from .schedules import PRESETS
+        from arvdm.schedules.matrix import PRESETS
 
         for flag, value, lo in (("--frames", self.frames, 1), ("--steps", self.steps, 1),
                                 ("--context", self.context, 0), ("--episodes", self.episodes, 1),

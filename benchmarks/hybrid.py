@@ -56,11 +56,11 @@ def parse_args(argv=None):
 def _models(args):
     """(run config, the run's own memory length, hybrid config, base wrapper, hybrid wrapper, diffusion,
     schedule, device); the config's memory is then set to --memory frames (retention last)."""
-    from arvdm import hybrid as H
-    from arvdm import hybrid_report as HR
-    from arvdm.diffusion import PerFrameDiffusion
-    from arvdm.runs import load_for_inference
-    from arvdm.schedules import get_schedule
+    from arvdm.hybrid import convert as H
+    from arvdm.hybrid import report as HR
+    from arvdm.model.diffusion import PerFrameDiffusion
+    from arvdm.pipeline.runs import load_for_inference
+    from arvdm.schedules.matrix import get_schedule
 
     dev = torch.device(args.device)
     model, cfg = load_for_inference(args.run, device=dev)
@@ -116,8 +116,8 @@ def _cost_at_frame(args, models, diffusion, sched, real, actions, w, dev):
 
 def _quality(models, diffusion, sched, real, actions, ctx, n, dev):
     """Mean PSNR and SSIM of each model's rollout of n frames after ctx context frames."""
-    from arvdm.metrics import psnr_per_frame, ssim_per_frame
-    from arvdm.pipeline import rollout
+    from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame
+    from arvdm.pipeline.rollout import rollout
 
     psnr, ssim = {}, {}
     for name, m in models.items():
@@ -133,7 +133,7 @@ def _quality(models, diffusion, sched, real, actions, ctx, n, dev):
 def main(argv=None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
-    from arvdm.runs import load_validation_episodes
+    from arvdm.pipeline.runs import load_validation_episodes
 
     cfg, run_memory, h, base, hyb, diffusion, sched, dev = _models(args)
     w = cfg.train.window

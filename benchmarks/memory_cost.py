@@ -23,7 +23,7 @@ import time
 import torch
 
 from arvdm.config import apply_overrides, get_preset
-from arvdm.model import Denoiser
+from arvdm.model.denoiser import Denoiser
 
 
 def build(args, *overrides) -> Denoiser:

@@ -31,7 +31,7 @@ def measure(iters: int) -> dict[str, float]:
     import torch
 
     from arvdm.config import DiffusionConfig
-    from arvdm.diffusion import PerFrameDiffusion
+    from arvdm.model.diffusion import PerFrameDiffusion
     from memory import KVCache, MemoryBank, RetentionPolicy
 
     torch.set_num_threads(1)

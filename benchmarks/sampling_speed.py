@@ -50,10 +50,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from arvdm.config import apply_overrides, get_preset  # noqa: E402
-from arvdm.diffusion import PerFrameDiffusion  # noqa: E402
-from arvdm.model import Denoiser  # noqa: E402
-from arvdm.pipeline import rollout  # noqa: E402
-from arvdm.schedules import get_schedule  # noqa: E402
+from arvdm.model.denoiser import Denoiser  # noqa: E402
+from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
+from arvdm.pipeline.rollout import rollout  # noqa: E402
+from arvdm.schedules.matrix import get_schedule  # noqa: E402
 from benchmarks.common import Lockstep, median, print_table, set_threads  # noqa: E402
 
 

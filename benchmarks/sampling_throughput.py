@@ -27,11 +27,11 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arvdm.config import apply_overrides, get_preset  # noqa: E402
-from arvdm.diffusion import PerFrameDiffusion  # noqa: E402
-from arvdm.model import Denoiser  # noqa: E402
-from arvdm.pipeline import rollout  # noqa: E402
+from arvdm.model.denoiser import Denoiser  # noqa: E402
+from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
+from arvdm.pipeline.rollout import rollout  # noqa: E402
 from arvdm.sampling import compile_for_sampling  # noqa: E402
-from arvdm.schedules import get_schedule  # noqa: E402
+from arvdm.schedules.matrix import get_schedule  # noqa: E402
 
 SMOKE = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=1", "model.heads=2",
          "memory.length=4", "train.window=4"]
@@ -39,7 +39,7 @@ SMOKE = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.dep
 
 def build(args) -> tuple[torch.nn.Module, object]:
     if args.run:
-        from arvdm.runs import load_for_inference
+        from arvdm.pipeline.runs import load_for_inference
 
         return load_for_inference(args.run, device=args.device)
     cfg = apply_overrides(get_preset(args.preset), (SMOKE if args.smoke else []) + list(args.set)).validate()

@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/soak.py` from the repo root
 
 from arvdm.config import apply_overrides, get_preset  # noqa: E402
-from arvdm.diffusion import PerFrameDiffusion  # noqa: E402
-from arvdm.model import Denoiser  # noqa: E402
-from arvdm.pipeline import rollout  # noqa: E402
-from arvdm.schedules import get_schedule  # noqa: E402
+from arvdm.model.denoiser import Denoiser  # noqa: E402
+from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
+from arvdm.pipeline.rollout import rollout  # noqa: E402
+from arvdm.schedules.matrix import get_schedule  # noqa: E402
 from benchmarks.common import print_table, set_threads  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def build_model(args) -> Denoiser:
     retention = [f"memory.retention={args.retention}", f"memory.sink={args.sink}", f"memory.recent={args.recent}",
                  f"memory.length={args.sink + args.recent}"]
     if args.run:
-        from arvdm.runs import load_for_inference
+        from arvdm.pipeline.runs import load_for_inference
 
         model, cfg = load_for_inference(args.run, device="cpu")
         if cfg.memory.structure != "prepend" or cfg.memory.compressor != "none":

@@ -36,13 +36,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from arvdm.bandits import hindsight_regret  # noqa: E402
-from arvdm.diffusion import PerFrameDiffusion  # noqa: E402
-from arvdm.pipeline import rollout  # noqa: E402
-from arvdm.runs import load_for_inference  # noqa: E402
+from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
+from arvdm.pipeline.rollout import rollout  # noqa: E402
+from arvdm.pipeline.runs import load_for_inference  # noqa: E402
 from arvdm.sampling import load_validation_episodes  # noqa: E402
-from arvdm.schedules import get_schedule  # noqa: E402
-from arvdm.speculative_rollout import FROZEN, make_speculation, plot_arms  # noqa: E402
+from arvdm.schedules.matrix import get_schedule  # noqa: E402
+from arvdm.speculative.bandits import hindsight_regret  # noqa: E402
+from arvdm.speculative.rows import FROZEN, make_speculation, plot_arms  # noqa: E402
 from benchmarks.common import print_table, set_threads  # noqa: E402
 from data.episodes import atomic_write_text  # noqa: E402
 

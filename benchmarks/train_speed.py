@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arvdm.config import apply_overrides, get_preset
-from arvdm.training import Trainer
+from arvdm.training.trainer import Trainer
 from data.episodes import write_episode
 
 
@@ -69,7 +69,7 @@ def count_step_flops(trainer: Trainer, batch: dict) -> int:
     """FLOPs of one training step's forward + backward (the optimizer's elementwise work is not counted)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from arvdm.training import diffusion_forcing_loss
+    from arvdm.training.trainer import diffusion_forcing_loss
 
     model = trainer.model  # eager, whatever the mode: dynamo-compiled graphs hide their ops from the counter
     g = torch.Generator(device=trainer.device).manual_seed(0)

@@ -1,11 +1,11 @@
-"""arvdm/bandits.py: UCBSpec's bonus and behaviour, EXP3Spec's estimator and regret, stopping-time regret."""
+"""arvdm/speculative/bandits.py: UCBSpec's bonus and behaviour, EXP3Spec's estimator and regret, stopping-time regret."""
 
 import math
 
 import numpy as np
 import pytest
 
-from arvdm.bandits import (
+from arvdm.speculative.bandits import (
     EXP3Spec,
     FixedArm,
     PerContext,

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from arvdm.baselines import baseline_frames, compare_with_baselines, gradient_ratio_by_span, verdict
-from arvdm.evaluate import evaluate_rollout
-from arvdm.metrics import spatial_gradient_per_frame, write_metrics_csv
+from arvdm.evaluation.baselines import baseline_frames, compare_with_baselines, gradient_ratio_by_span, verdict
+from arvdm.evaluation.evaluate import evaluate_rollout
+from arvdm.evaluation.metrics import spatial_gradient_per_frame, write_metrics_csv
 
 
 def _constant_video(values, c=3, h=12, w=12):

@@ -23,7 +23,7 @@ if not torch.distributed.is_available():
 # notes which rank called it (one file per rank in WRITES_DIR).
 RECORD_WRITES = textwrap.dedent("""
     import os, sys
-    import arvdm.training as T
+    import arvdm.training.trainer as T
 
     def record(name, fn):
         def wrapper(*args, **kwargs):

@@ -22,7 +22,7 @@ from test_ddp import RECORD_WRITES
 from test_malformed_inputs import TINY, write_data
 
 from arvdm.config import apply_overrides, get_preset
-from arvdm.training import Trainer, diffusion_forcing_loss
+from arvdm.training.trainer import Trainer, diffusion_forcing_loss
 from data.dataset import ClipDataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
 # train.py's main() in each rank; rank DIE_RANK kills (SIGKILL) or freezes (SIGSTOP) itself at step DIE_AT.
 DYING_WORKER = textwrap.dedent("""
     import os, signal, sys
-    import arvdm.training as T
+    import arvdm.training.trainer as T
 
     step = T.Trainer.train_step
     def train_step(self, batch):
@@ -105,8 +105,8 @@ def test_every_structure_and_compressor_uses_all_its_parameters(tmp_path):
     video, actions = torch.rand(2, 6, 3, 16, 16) * 2 - 1, torch.randint(0, 6, (2, 6))
     for extra in MATRIX:
         cfg = apply_overrides(get_preset("tiny"), base_config(tmp_path) + extra).validate()
-        from arvdm.diffusion import PerFrameDiffusion
-        from arvdm.model import Denoiser
+        from arvdm.model.denoiser import Denoiser
+        from arvdm.model.diffusion import PerFrameDiffusion
 
         model = Denoiser(cfg)
         total, _ = diffusion_forcing_loss(model, PerFrameDiffusion(cfg.diffusion), video, actions, 2, 100,
@@ -121,7 +121,7 @@ def test_a_parameter_without_gradient_is_named_on_the_first_step(tmp_path):
     cfg = apply_overrides(get_preset("tiny"), base_config(data)).validate()
     trainer = Trainer(cfg, tmp_path / "run", device="cpu")
     trainer.model.register_parameter("orphan", torch.nn.Parameter(torch.zeros(3)))
-    from arvdm.training import TrainingError
+    from arvdm.training.trainer import TrainingError
     with pytest.raises(TrainingError, match="orphan.*train.find_unused_parameters=true"):
         trainer.fit()
 

@@ -5,7 +5,7 @@ import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
 from arvdm.config import DiffusionConfig
-from arvdm.diffusion import PerFrameDiffusion
+from arvdm.model.diffusion import PerFrameDiffusion
 
 K = 1000
 SCHEDULES = ["squaredcos_cap_v2", "sigmoid"]

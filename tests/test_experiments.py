@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from arvdm.checkpoint import checkpoint_dir, latest_checkpoint
-from arvdm.experiments import main
-from arvdm.grid import GridError, expand_grid, load_grid
-from arvdm.grid_runner import run_grid, run_status
-from arvdm.report import collect_results, write_report
+from arvdm.experiments.cli import main
+from arvdm.experiments.grid import GridError, expand_grid, load_grid
+from arvdm.experiments.report import collect_results, write_report
+from arvdm.experiments.runner import run_grid, run_status
+from arvdm.model.checkpoint import checkpoint_dir, latest_checkpoint
 
 # -- helpers -----------------------------------------------------------------------------------------------
 

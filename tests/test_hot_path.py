@@ -17,10 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from arvdm.config import DiffusionConfig, apply_overrides, get_preset
-from arvdm.diffusion import PerFrameDiffusion
-from arvdm.model import Denoiser
-from arvdm.pipeline import rollout
-from arvdm.schedules import chunked, fifo
+from arvdm.model.denoiser import Denoiser
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.schedules.matrix import chunked, fifo
 from kernels import chunked_attention
 from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy
 

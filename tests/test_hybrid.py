@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import kernels
-from arvdm import hybrid as H
-from arvdm import hybrid_report as HR
 from arvdm.config import Config, ConfigError, DiffusionConfig, HybridConfig, apply_overrides
-from arvdm.diffusion import PerFrameDiffusion
-from arvdm.pipeline import rollout
-from arvdm.schedules import chunked
+from arvdm.hybrid import convert as H
+from arvdm.hybrid import report as HR
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.schedules.matrix import chunked
 from memory import MemoryFrames
 
 K = 100
@@ -114,7 +114,7 @@ def test_selection_equals_sorting_with_ties_by_index():
 
 # -- the model -------------------------------------------------------------------------------------------
 def tiny_model(depth=4, retention="all", length=0):
-    from arvdm.model import Denoiser
+    from arvdm.model.denoiser import Denoiser
 
     cfg = Config()
     m = cfg.model
@@ -315,7 +315,7 @@ def tiny_run(tmp_path_factory):
     import numpy as np
 
     from arvdm.config import get_preset
-    from arvdm.training import Trainer
+    from arvdm.training.trainer import Trainer
 
     root = tmp_path_factory.mktemp("hybrid")
     rng = np.random.default_rng(0)
@@ -330,9 +330,9 @@ def tiny_run(tmp_path_factory):
 
 
 def test_fine_tune_mode_trains_streaming_layers_and_saves_them(tiny_run):
-    from arvdm.checkpoint import latest_checkpoint, load_config
     from arvdm.config import get_preset
-    from arvdm.training import Trainer
+    from arvdm.model.checkpoint import latest_checkpoint, load_config
+    from arvdm.training.trainer import Trainer
 
     (tiny_run / "ft").mkdir()
     (tiny_run / "ft" / H.RATIOS_NAME).write_text(json.dumps({"ratios": [0.3, 0.8]}))

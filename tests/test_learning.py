@@ -10,13 +10,13 @@ Measured on the first generated frame, which a chunked rollout produces straight
 import pytest
 import torch
 
-from arvdm.baselines import baseline_frames
 from arvdm.config import apply_overrides, get_preset
-from arvdm.diffusion import PerFrameDiffusion
-from arvdm.model import Denoiser
-from arvdm.pipeline import rollout
-from arvdm.schedules import get_schedule
-from arvdm.training import diffusion_forcing_loss
+from arvdm.evaluation.baselines import baseline_frames
+from arvdm.model.denoiser import Denoiser
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.schedules.matrix import get_schedule
+from arvdm.training.trainer import diffusion_forcing_loss
 
 S, K = 16, 100
 COLOURS = torch.tensor([[0.6, -0.4, -0.4], [-0.4, -0.2, 0.6]])

@@ -21,7 +21,7 @@ import torch
 import sample
 import train
 from arvdm.config import apply_overrides, get_preset
-from arvdm.training import Trainer
+from arvdm.training.trainer import Trainer
 from data import generate as generate_cli
 from data import preview as preview_cli
 from data.episodes import write_episode

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from arvdm.config import ConfigError, apply_overrides, get_preset
-from arvdm.model import Denoiser
+from arvdm.model.denoiser import Denoiser
 from memory import (
     KVCache,
     MemoryBank,

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from arvdm.evaluate import REQUIRED_EVAL_KEYS, read_eval_json, write_eval_json
-from arvdm.metrics import (
+from arvdm.evaluation.evaluate import REQUIRED_EVAL_KEYS, read_eval_json, write_eval_json
+from arvdm.evaluation.metrics import (
     frechet_distance,
     fvd,
     gaussian_stats,

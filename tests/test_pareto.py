@@ -1,11 +1,11 @@
-"""arvdm.report: Pareto frontier on known point sets (ties, duplicates, missing values), tables, plots."""
+"""arvdm.experiments.report: Pareto frontier on known point sets (ties, duplicates, missing values), tables, plots."""
 
 import csv
 import math
 
 import pytest
 
-from arvdm.report import (
+from arvdm.experiments.report import (
     paper_reference,
     pareto_frontier,
     plot_error_accumulation,

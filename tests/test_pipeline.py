@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from arvdm.config import Config, DiffusionConfig
-from arvdm.diffusion import PerFrameDiffusion
-from arvdm.pipeline import rollout
-from arvdm.schedules import chunked, fifo, from_matrix, pyramid
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.schedules.matrix import chunked, fifo, from_matrix, pyramid
 
 K = 100
 DIFF = PerFrameDiffusion(DiffusionConfig(num_levels=K))

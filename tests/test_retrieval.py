@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from arvdm.evaluate import evaluate_rollout, write_eval_json
-from arvdm.retrieval import (
+from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
+from arvdm.evaluation.retrieval import (
     Probe,
     calibrate_threshold,
     find_revisits,

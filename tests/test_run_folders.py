@@ -13,8 +13,8 @@ from test_malformed_inputs import TINY, TINY_FLAGS, write_data
 
 import sample
 import train
-from arvdm.checkpoint import CheckpointError, data_path_candidates, resolve_data_path
 from arvdm.config import apply_overrides, get_preset
+from arvdm.model.checkpoint import CheckpointError, data_path_candidates, resolve_data_path
 
 SAMPLE = ["--frames", "1", "--steps", "1", "--episodes", "1", "--device", "cpu"]
 

@@ -9,7 +9,7 @@ import pytest
 
 import sample
 from arvdm.config import apply_overrides, get_preset
-from arvdm.training import Trainer
+from arvdm.training.trainer import Trainer
 
 TINY = ["model.image_size=16", "data.resize=0", "model.patch_size=4", "model.dim=48", "model.depth=2", "model.heads=2",
         "memory.length=4", "train.window=4", "train.batch_size=2", "train.max_steps=2", "train.ckpt_every=2",

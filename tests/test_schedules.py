@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from arvdm.schedule_plots import main, plot_schedule
-from arvdm.schedules import (
+from arvdm.schedules.matrix import (
     ARSchedule,
     ScheduleError,
     chunked,
@@ -17,6 +16,7 @@ from arvdm.schedules import (
     load_schedule,
     pyramid,
 )
+from arvdm.schedules.plots import main, plot_schedule
 
 K = 1000
 

@@ -1,4 +1,4 @@
-"""arvdm/speculative.py: the Gaussian accept-or-reflect rule and the token rule are exact.
+"""arvdm/speculative/rules.py: the Gaussian accept-or-reflect rule and the token rule are exact.
 
 Statistical tests use fixed seeds and thresholds for a 1e-3 false-alarm rate overall (Bonferroni over the
 tests of a case).
@@ -10,7 +10,11 @@ import pytest
 import torch
 from scipy import stats
 
-from arvdm.speculative import gaussian_accept_or_reflect, gaussian_acceptance_probability, token_accept_or_resample
+from arvdm.speculative.rules import (
+    gaussian_accept_or_reflect,
+    gaussian_acceptance_probability,
+    token_accept_or_resample,
+)
 
 ALPHA = 1e-3
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 from scipy import stats
 
-from arvdm.bandits import FixedArm, UCBSpec
 from arvdm.config import Config, DiffusionConfig, apply_overrides, get_preset
-from arvdm.diffusion import PerFrameDiffusion
-from arvdm.model import Denoiser
-from arvdm.pipeline import rollout
-from arvdm.schedules import chunked
-from arvdm.speculative_rollout import FROZEN, Speculation, make_speculation, tile_state
+from arvdm.model.denoiser import Denoiser
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.schedules.matrix import chunked
+from arvdm.speculative.bandits import FixedArm, UCBSpec
+from arvdm.speculative.rows import FROZEN, Speculation, make_speculation, tile_state
 
 ALPHA = 1e-3
 K = 100

@@ -18,16 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from arvdm.checkpoint import (
+from arvdm.config import ConfigError, apply_overrides, get_preset
+from arvdm.model.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_training_state,
     save_checkpoint,
 )
-from arvdm.config import ConfigError, apply_overrides, get_preset
-from arvdm.runs import load_for_inference
-from arvdm.training import ResumableSampler, Trainer, TrainingError, lr_factor
+from arvdm.pipeline.runs import load_for_inference
+from arvdm.training.trainer import ResumableSampler, Trainer, TrainingError, lr_factor
 from data.dataset import to_float_video
 from data.episodes import write_episode
 
@@ -226,9 +226,9 @@ def _moving_square(n_frames: int, size: int) -> np.ndarray:
 @pytest.mark.slow
 def test_tiny_model_overfits_one_clip(tmp_path):
     try:
-        from arvdm.metrics import psnr_per_frame
-        from arvdm.pipeline import rollout
-        from arvdm.schedules import get_schedule
+        from arvdm.evaluation.metrics import psnr_per_frame
+        from arvdm.pipeline.rollout import rollout
+        from arvdm.schedules.matrix import get_schedule
     except ImportError as e:
         pytest.skip(f"needs the rollout pipeline: {e}")
     m, w, size = 2, 4, 16
@@ -259,7 +259,7 @@ def test_the_data_seed_is_not_the_training_seed(monkeypatch):
     train.seed (a grid with seeds 0 and 1 once failed on 'holds a different data set: seed=0 (asked 1)')."""
     import data.generate
     from arvdm.config import apply_overrides, get_preset
-    from arvdm.training import prepare_data
+    from arvdm.training.trainer import prepare_data
 
     asked = []
     monkeypatch.setattr(data.generate, "ensure_dataset", lambda root, env, n, length, policy, seed, **kw:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_training import tiny_cfg, write_episodes
 
-import arvdm.training as training
-from arvdm.training import Trainer
+import arvdm.training.trainer as training
+from arvdm.training.trainer import Trainer
 
 
 @pytest.fixture
@@ -114,10 +114,10 @@ def test_compiled_training_step_matches_eager(tmp_path, data, monkeypatch, backe
 def test_compiled_rollout_matches_eager(monkeypatch, use_cache):
     from test_model import make
 
-    from arvdm.diffusion import PerFrameDiffusion
-    from arvdm.pipeline import rollout
+    from arvdm.model.diffusion import PerFrameDiffusion
+    from arvdm.pipeline.rollout import rollout
     from arvdm.sampling import compile_for_sampling
-    from arvdm.schedules import fifo
+    from arvdm.schedules.matrix import fifo
 
     _aot_eager(monkeypatch)
     torch._dynamo.reset()

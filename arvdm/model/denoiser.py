@@ -49,11 +49,11 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import kernels
-from arvdm import checkpoint
-from arvdm.checkpoint import CheckpointError
 from arvdm.checks import value_checks_enabled
 from arvdm.config import Config, ConfigError
 from arvdm.errors import ArvdmError
+from arvdm.model import checkpoint
+from arvdm.model.checkpoint import CheckpointError
 from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy, build_compressor
 from memory.compress import sinusoidal
 
@@ -758,7 +758,7 @@ class Denoiser(nn.Module):
         else:
             state.cross_kv = self._cross_kv(mem) if mem is not None else None
 
-    # -- checkpoints (the I/O lives in arvdm/checkpoint.py) --------------------------------------------
+    # -- checkpoints (the I/O lives in arvdm/model/checkpoint.py) --------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write `model.safetensors` + `config.json` into `directory`, atomically (`checkpoint.save_pretrained`)."""
         return checkpoint.save_pretrained(self, directory)

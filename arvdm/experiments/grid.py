@@ -1,6 +1,6 @@
 """The grid language: a YAML file whose axes expand into cells (a Config + sampling settings each).
 
-    from arvdm.grid import load_grid
+    from arvdm.experiments.grid import load_grid
     grid = load_grid("tiny")                 # a shipped grid (arvdm/grids/tiny.yaml) or a path
     [c.name for c in grid.cells]             # prepend-m8-none-chunked, ...
 
@@ -21,7 +21,7 @@ Axis and cell keys are any Config key (``section.name``), ``schedule``, or ``sam
 SampleSettings field. Every cell gets a readable name, ``<structure>-m<length>-<compression>-<schedule>``
 (e.g. ``prepend-m8-none-chunked``, ``prepend-m24-joint8-chunked``) plus any other varying key. Cells that
 differ only in sampling settings share one training run (`TrainRun`). Every problem is found here, before
-anything trains. The runner is arvdm.grid_runner, the tables and plots arvdm.report; see
+anything trains. The runner is arvdm.experiments.runner, the tables and plots arvdm.experiments.report; see
 docs/experiments.md.
 """
 
@@ -264,7 +264,7 @@ def _name_part(value: Any) -> str:
 
 
 def _schedule_label(schedule: Any) -> str:
-    from arvdm.schedules import PRESETS as SCHEDULE_PRESETS
+    from arvdm.schedules.matrix import PRESETS as SCHEDULE_PRESETS
 
     s = str(schedule)
     return s if s in SCHEDULE_PRESETS else _name_part(Path(s).stem)
@@ -330,7 +330,7 @@ def _episode_frames(cfg: Config) -> int | None:
 
 def _check_cell(cfg: Config, sample: Mapping[str, Any]) -> list[str]:
     """Problems that would only show after training: the schedule, the context, the episode length."""
-    from arvdm.schedules import ScheduleError, get_schedule
+    from arvdm.schedules.matrix import ScheduleError, get_schedule
 
     problems = []
     c = cfg.model.frames_per_chunk

@@ -5,7 +5,7 @@
     python -m arvdm.experiments pareto --grid my_grid.yaml --only 'prepend-*' --dry-run
     python -m arvdm.experiments report --out experiments/tiny      # tables and plots from finished cells
 
-The grid language is arvdm.grid, the runner arvdm.grid_runner, the tables and plots arvdm.report; the
+The grid language is arvdm.experiments.grid, the runner arvdm.experiments.runner, the tables and plots arvdm.experiments.report; the
 grid format and the output folder are described in docs/experiments.md.
 """
 
@@ -22,7 +22,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from arvdm.grid import available_grids
+    from arvdm.experiments.grid import available_grids
 
     p = argparse.ArgumentParser(prog="python -m arvdm.experiments", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -47,9 +47,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> dict | None:
-    from arvdm.grid import GridError, load_grid
-    from arvdm.grid_runner import run_grid
-    from arvdm.report import write_report
+    from arvdm.experiments.grid import GridError, load_grid
+    from arvdm.experiments.report import write_report
+    from arvdm.experiments.runner import run_grid
 
     grid = load_grid(args.grid) if args.grid else None
     if args.out is None and grid is None:
@@ -84,7 +84,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {name}: {msg}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

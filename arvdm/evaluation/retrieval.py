@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from arvdm.metrics import span_label, ssim_per_frame
+from arvdm.evaluation.metrics import span_label, ssim_per_frame
 
 __all__ = [
     "DEFAULT_BINS",
@@ -376,7 +376,7 @@ def evaluate_retrieval(
     criterion: Literal["rank", "threshold"] = "rank",
     n_distractors: int = 4,
 ) -> dict[str, Any]:
-    """Retrieval fields of eval.json for a batch of rollouts (see ``arvdm.evaluate.evaluate_rollout``).
+    """Retrieval fields of eval.json for a batch of rollouts (see ``arvdm.evaluation.evaluate.evaluate_rollout``).
 
     ``criterion`` says when a probe (generated frame t at a revisit) counts as retrieved:
 

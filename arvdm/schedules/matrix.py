@@ -23,7 +23,7 @@ The three presets of the paper come out of one builder (:func:`from_level_fn`):
     >>> fifo(window=4, num_levels=1000).matrix                   # FIFO / rolling diffusion, Δ = 1
     >>> pyramid(window=4, num_levels=1000, steps=4).matrix       # Diffusion Forcing pyramid, Δ = w
 
-``python -m arvdm.schedules --plot docs/schedules.png`` draws the presets (arvdm.schedule_plots).
+``python -m arvdm.schedules --plot docs/schedules.png`` draws the presets (arvdm.schedules.plots).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator
 from fractions import Fraction
 from pathlib import Path
@@ -538,9 +537,3 @@ def load_schedule(path: str | os.PathLike, *, delta: int | None = None, num_leve
         return ARSchedule(matrix, meta["delta"], meta["num_levels"], init_steps=meta.get("init_steps"), name=name)
     except ScheduleError as e:
         raise ScheduleError(e.condition, f"{path}: {str(e).split(': ', 1)[1]}") from None
-
-
-if __name__ == "__main__":  # the plots and the CLI live in arvdm.schedule_plots
-    from arvdm.schedule_plots import main
-
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Auto-regressive rollout: a Meta-ARVDM schedule drives a sliding window over a long video.
 
-    from arvdm.pipeline import rollout
+    from arvdm.pipeline.rollout import rollout
     video = rollout(model, diffusion, get_schedule("fifo", w, K, steps=16), context, context_actions,
                     actions, n_frames=300, generator=torch.Generator().manual_seed(0))   # (B, 300, C, H, W)
 
@@ -29,11 +29,10 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.schedules.matrix import ARSchedule
+from arvdm.speculative.rows import Speculation, SpeculativeRows
 from memory import MemoryBank, RetentionPolicy
-
-from .diffusion import PerFrameDiffusion
-from .schedules import ARSchedule
-from .speculative_rollout import Speculation, SpeculativeRows
 
 __all__ = ["RolloutStep", "rollout"]
 
@@ -85,7 +84,7 @@ def rollout(model: Any, diffusion: PerFrameDiffusion, schedule: ARSchedule, cont
         return_intermediate: also return one :class:`RolloutStep` per model call (not with ``speculation``:
             there samples move through the rows at their own pace).
         speculation: run the denoising rows speculatively (exact; needs eta > 0): see
-            :mod:`arvdm.speculative_rollout`. Its ``rounds`` / ``checks`` are filled in. None = plain rows.
+            :mod:`arvdm.speculative.rows`. Its ``rounds`` / ``checks`` are filled in. None = plain rows.
 
     Returns:
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.

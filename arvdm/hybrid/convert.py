@@ -9,7 +9,7 @@ KV caches cut at once and bounded from then on); the others keep the full memory
     python sample.py --run RUN --hybrid 0.5         # roll out with half of the layers streaming
 
 This module is the model side (measure, select, convert, wrap for sampling/training); calibration, the
-report and the CLI are in arvdm.hybrid_report.
+report and the CLI are in arvdm.hybrid.report.
 
 Library use (generic: any model whose temporal layers expose ``streaming`` and ``attention_probe``)::
 
@@ -33,7 +33,6 @@ import heapq
 import json
 import math
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,10 +41,9 @@ from typing import Any
 import torch
 
 import kernels
+from arvdm.config import Config, HybridConfig
 from arvdm.errors import ArvdmError
 from memory import RetentionPolicy
-
-from .config import Config, HybridConfig
 
 __all__ = [
     "HybridError",
@@ -416,9 +414,3 @@ def wrap_for_sampling(model: Any, cfg: Config, run_dir: str | os.PathLike, overr
     path = ratios_path(h, run_dir)
     offline = load_lazy_ratios(path) if path is not None and (h.select == "offline" or path.is_file()) else None
     return HybridModel(model, h, offline), h
-
-
-if __name__ == "__main__":  # the CLI lives in arvdm.hybrid_report; `python -m arvdm.hybrid` still works
-    from arvdm.hybrid_report import main
-
-    sys.exit(main())

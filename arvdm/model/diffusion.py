@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from diffusers import DDPMScheduler
 
-from .checks import value_checks_enabled
-from .config import DiffusionConfig
+from arvdm.checks import value_checks_enabled
+from arvdm.config import DiffusionConfig
 
 __all__ = ["PerFrameDiffusion"]
 

@@ -1,10 +1,10 @@
 """A trained run, ready to use: its denoiser (newest checkpoint) and its validation episodes.
 
-    from arvdm.runs import load_for_inference, load_validation_episodes
+    from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
     model, cfg = load_for_inference("runs/tiny")                       # EMA weights, eval mode
     video, actions, pose = load_validation_episodes(cfg.data.path, cfg, n_episodes=2, context=8, frames=48)
 
-This is where checkpoint I/O (arvdm.checkpoint) meets the model (arvdm.model) and the data (data.dataset);
+This is where checkpoint I/O (arvdm.model.checkpoint) meets the model (arvdm.model) and the data (data.dataset);
 sampling, hybrid attention and the benchmarks build on it.
 """
 
@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from arvdm.errors import ArvdmError
-
-from .checkpoint import load_config, load_weights, resolve_checkpoint
-from .model import Denoiser
+from arvdm.model.checkpoint import load_config, load_weights, resolve_checkpoint
+from arvdm.model.denoiser import Denoiser
 
 
 class SamplingError(ArvdmError):

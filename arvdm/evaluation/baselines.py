@@ -7,7 +7,7 @@ A rollout's PSNR means little on its own: PSNR favours blur, and a model whose f
 - ``context_mean``: every generated frame is the mean of the context frames (the blurry average view);
 
 and beside a sharpness check, the **spatial-gradient ratio** (mean |∇| of generated frames over that of
-the real ones, ``arvdm.metrics.spatial_gradient_per_frame``): ≈ 1 for real-looking frames, ≫ 1 for noise,
+the real ones, ``arvdm.evaluation.metrics.spatial_gradient_per_frame``): ≈ 1 for real-looking frames, ≫ 1 for noise,
 ≪ 1 for blur. A curve is only read once the model beats copy-last on the first frames and its ratio is
 near 1; ``compare_with_baselines`` says in words when it does not.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, summarise_by_span
+from arvdm.evaluation.metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, summarise_by_span
 
 BASELINES = ("copy_last", "context_mean")
 FIRST_FRAMES = (1, 4, 16)  # the "first k generated frames" the headline table reports

@@ -1,14 +1,14 @@
 """The grid runner: train each distinct configuration once, evaluate every cell, skip what is finished.
 
-    from arvdm.grid import load_grid
-    from arvdm.grid_runner import run_grid
-    result = run_grid(load_grid("tiny"), "experiments/tiny")     # then arvdm.report writes the tables/plots
+    from arvdm.experiments.grid import load_grid
+    from arvdm.experiments.runner import run_grid
+    result = run_grid(load_grid("tiny"), "experiments/tiny")     # then arvdm.experiments.report writes the tables/plots
 
 Resumable at two levels: a cell whose ``eval.json`` exists is skipped; a training run whose newest
 checkpoint is at ``train.max_steps`` is not retrained, and an interrupted one resumes from its newest
 checkpoint. A failing cell is recorded in ``cells/<cell>/error.txt`` and the others carry on. Outputs under
 ``OUT``: ``plan.json``, ``runs/<run>/`` (checkpoints, log.csv), ``cells/<cell>/`` (cell.json, eval.json,
-metrics.csv, rollout.mp4 / .npz from arvdm.sampling), and the report (arvdm.report).
+metrics.csv, rollout.mp4 / .npz from arvdm.sampling), and the report (arvdm.experiments.report).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from arvdm.checkpoint import checkpoint_step, latest_checkpoint, load_config
 from arvdm.config import Config
-from arvdm.grid import Cell, Grid, GridError, select_cells
-from arvdm.report import write_report
+from arvdm.experiments.grid import Cell, Grid, GridError, select_cells
+from arvdm.experiments.report import write_report
+from arvdm.model.checkpoint import checkpoint_step, latest_checkpoint, load_config
 from data.episodes import atomic_write_text
 
 __all__ = ["REPORT_REFRESH_S", "run_grid", "run_status"]
@@ -61,7 +61,7 @@ def run_status(run_dir: str | os.PathLike, cfg: Config) -> tuple[str, int]:
 
 def _default_train(cfg: Config, run_dir: Path, resume: bool, device: str | None) -> None:
     """Train through the library (generating the stand-in data set first when it is absent)."""
-    from arvdm.training import train
+    from arvdm.training.trainer import train
 
     train(cfg, run_dir, resume=resume, generate_data=True, device=device)
 
@@ -181,7 +181,7 @@ def run_grid(
     """Train and evaluate the grid's (selected) cells, skipping what is finished; then write the report.
 
     Args:
-        grid: from `arvdm.grid.load_grid` / `expand_grid`.
+        grid: from `arvdm.experiments.grid.load_grid` / `expand_grid`.
         out: output folder (``runs/``, ``cells/``, tables and plots).
         only: cell or training-run names / shell patterns (default: every cell).
         dry_run: print the plan (what would train, resume, evaluate or be skipped) and do nothing.

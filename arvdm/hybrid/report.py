@@ -5,7 +5,7 @@ arvdm.hybrid).
     python -m arvdm.hybrid calibrate --run RUN      # offline lazy ratios -> RUN/lazy_ratios.json
     python -m arvdm.hybrid report --run RUN         # heat map + fraction x selection table, plots
 
-(``python -m arvdm.hybrid_report ...`` is the same command.) See docs/hybrid.md.
+See docs/hybrid.md.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 
-from data.episodes import atomic_write_text
-
-from .config import Config, HybridConfig
-from .hybrid import (
+from arvdm.config import Config, HybridConfig
+from arvdm.hybrid.convert import (
     RATIOS_NAME,
     HybridError,
     HybridModel,
@@ -40,6 +38,7 @@ from .hybrid import (
     select_layers,
     temporal_layers,
 )
+from data.episodes import atomic_write_text
 
 __all__ = ["calibrate", "main", "plot_heatmap", "plot_tradeoff", "run_calibration", "run_report",
            "selection_strategies"]
@@ -109,8 +108,8 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
 
 
 def _load_run(run: str, device: str, use_ema: bool = True):
-    from .diffusion import PerFrameDiffusion
-    from .runs import load_for_inference
+    from arvdm.model.diffusion import PerFrameDiffusion
+    from arvdm.pipeline.runs import load_for_inference
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                        else ("cpu" if device == "auto" else device))
@@ -119,7 +118,7 @@ def _load_run(run: str, device: str, use_ema: bool = True):
 
 
 def _hybrid_from_args(cfg: Config, args) -> HybridConfig:
-    from .config import ConfigError, apply_overrides
+    from arvdm.config import ConfigError, apply_overrides
 
     c = copy.deepcopy(cfg)
     sets = list(args.overrides or [])
@@ -138,7 +137,7 @@ def run_calibration(run: str, *, clips: int = 4, memory: int | None = None, leve
                     overrides: Sequence[str] = (), device: str = "auto", out: str | None = None,
                     progress: bool = True) -> Path:
     """Calibrate a run's model on validation clips and write ``lazy_ratios.json`` (atomically)."""
-    from .runs import load_validation_episodes
+    from arvdm.pipeline.runs import load_validation_episodes
 
     model, cfg, diffusion, dev = _load_run(run, device)
     h = _hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
@@ -204,8 +203,8 @@ def _report_configs(ratios: Sequence[float], fractions: Sequence[float], seed: i
 def _measure(hm: HybridModel, diffusion: Any, sched: Any, real: torch.Tensor, actions: torch.Tensor, poses: Any,
              ctx: int, frames: int, seed: int, window: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Roll out one configuration: (its table row without names, eval.json-style result)."""
-    from .evaluate import evaluate_rollout
-    from .pipeline import rollout
+    from arvdm.evaluation.evaluate import evaluate_rollout
+    from arvdm.pipeline.rollout import rollout
 
     dev = actions.device
     t0 = time.perf_counter()
@@ -254,10 +253,10 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
     ``pareto_with``: an ``arvdm.experiments`` output folder (or its pareto.csv) whose points join the
     hybrid points on one Pareto plot.
     """
-    from .pipeline import rollout
-    from .report import plot_pareto, write_results_table
-    from .runs import load_validation_episodes
-    from .schedules import get_schedule
+    from arvdm.experiments.report import plot_pareto, write_results_table
+    from arvdm.pipeline.rollout import rollout
+    from arvdm.pipeline.runs import load_validation_episodes
+    from arvdm.schedules.matrix import get_schedule
 
     model, cfg, diffusion, dev = _load_run(run, device)
     h = _hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
@@ -408,7 +407,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m arvdm.hybrid: error: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The report: results tables and plots of an experiment grid, and the Pareto frontier they are read by.
 
-    from arvdm.report import write_report, pareto_frontier, plot_pareto
+    from arvdm.experiments.report import write_report, pareto_frontier, plot_pareto
     write_report("experiments/tiny")          # results.csv/.md, error_accumulation.png, retrieval_by_span.png,
                                               # pareto.png/.csv from OUT/cells/*/eval.json
 
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from arvdm.checkpoint import checkpoint_step, latest_checkpoint
-from arvdm.evaluate import read_eval_json
-from arvdm.grid import MEMORY_KEYS, Grid, GridError
-from arvdm.retrieval import mean_retrieval_rate
+from arvdm.evaluation.evaluate import read_eval_json
+from arvdm.evaluation.retrieval import mean_retrieval_rate
+from arvdm.experiments.grid import MEMORY_KEYS, Grid, GridError
+from arvdm.model.checkpoint import checkpoint_step, latest_checkpoint
 from data.episodes import atomic_write, atomic_write_text
 
 __all__ = [
@@ -209,7 +209,7 @@ def plot_error_accumulation(
         reference: optional name -> {span label "a-b": value}, e.g. ``paper_reference()["psnr_by_span"]``,
             drawn as dashed markers at the span centres.
         baselines: optional name -> per-frame values of a trivial predictor (copy-last, context-mean; see
-            ``arvdm.baselines``), drawn as grey reference lines: a curve below them is not a result.
+            ``arvdm.evaluation.baselines``), drawn as grey reference lines: a curve below them is not a result.
     """
     if not curves:
         raise ValueError("plot_error_accumulation: no curves given")
@@ -397,7 +397,7 @@ def _cells_for_report(out: Path, grid: Grid | None) -> tuple[list[dict[str, Any]
             d = json.loads(plan.read_text())
             return list(d["cells"]), list(d.get("columns", [])), bool(d.get("paper_reference", False))
         except (ValueError, KeyError, TypeError) as e:
-            raise GridError(f"{plan}: not a plan written by arvdm.grid_runner ({e}); pass --grid") from None
+            raise GridError(f"{plan}: not a plan written by arvdm.experiments.runner ({e}); pass --grid") from None
     cells = []
     for path in sorted((out / "cells").glob("*/cell.json")):
         try:

@@ -3,9 +3,9 @@
     result = evaluate_rollout(fake, real, poses, context=8, window_reach=8)   # a JSON-ready dict
     write_eval_json("out/eval.json", result, extra={"config": cfg.to_dict()})
 
-``evaluate_rollout`` puts together the per-frame measures of ``arvdm.metrics`` (PSNR/SSIM by span, max
-PSNR decay), the trivial baselines and sharpness of ``arvdm.baselines`` (copy-last, context-mean,
-spatial-gradient ratio, a verdict in words) and the revisit retrieval of ``arvdm.retrieval``.
+``evaluate_rollout`` puts together the per-frame measures of ``arvdm.evaluation.metrics`` (PSNR/SSIM by span, max
+PSNR decay), the trivial baselines and sharpness of ``arvdm.evaluation.baselines`` (copy-last, context-mean,
+spatial-gradient ratio, a verdict in words) and the revisit retrieval of ``arvdm.evaluation.retrieval``.
 Every field is described in docs/evaluation.md.
 """
 
@@ -20,17 +20,16 @@ from typing import Any
 
 from torch import Tensor
 
-from data.episodes import atomic_write_text
-
-from . import retrieval as R
-from .baselines import baseline_frames, compare_with_baselines
-from .metrics import (
+from arvdm.evaluation import retrieval as R
+from arvdm.evaluation.baselines import baseline_frames, compare_with_baselines
+from arvdm.evaluation.metrics import (
     _check_videos,
     max_psnr_decay,
     psnr_per_frame,
     ssim_per_frame,
     summarise_by_span,
 )
+from data.episodes import atomic_write_text
 
 __all__ = ["EVAL_FORMAT", "REQUIRED_EVAL_KEYS", "evaluate_rollout", "read_eval_json", "to_jsonable",
            "write_eval_json"]
@@ -91,14 +90,14 @@ def evaluate_rollout(
         poses: ground-truth poses (B, T, 3) = (x, y, heading in radians), or None to skip retrieval.
         context: number of ground-truth frames the rollout was conditioned on.
         window_reach: frames the network sees without its memory (revisits with gap <= this are not
-            probes; see ``arvdm.retrieval.find_revisits``).
+            probes; see ``arvdm.evaluation.retrieval.find_revisits``).
         threshold: retrieval SSIM threshold; None calibrates it on the ground truth of these episodes
-            (true revisit pairs vs random pairs, ``arvdm.retrieval.calibrate_threshold``).
+            (true revisit pairs vs random pairs, ``arvdm.evaluation.retrieval.calibrate_threshold``).
         span: frames per span of the PSNR / SSIM summaries.
         pos_tol, heading_tol: pose tolerances of a revisit (position units of the pose, radians).
-        bins: gap bins of the retrieval rates (default ``arvdm.retrieval.DEFAULT_BINS``).
+        bins: gap bins of the retrieval rates (default ``arvdm.evaluation.retrieval.DEFAULT_BINS``).
         n_random_per_probe, seed: random (non-revisit) pairs drawn per probe for calibration.
-        criterion, n_distractors: when a revisit counts as retrieved (``arvdm.retrieval.evaluate_retrieval``);
+        criterion, n_distractors: when a revisit counts as retrieved (``arvdm.evaluation.retrieval.evaluate_retrieval``);
             the copy-last predictor is scored the same way (``retrieval_baselines``).
         baselines: ``compare_with_baselines(gen, real, context, span)`` if the caller already has it
             (``sample_run`` does), so it is not computed twice.
@@ -134,7 +133,7 @@ def evaluate_rollout(
         "psnr_curve": psnr.double().mean(0).tolist(),
         "ssim_curve": ssim.double().mean(0).tolist(),
     }
-    # Beside the model, always: copy-last, context-mean, sharpness and a verdict (arvdm.baselines).
+    # Beside the model, always: copy-last, context-mean, sharpness and a verdict (arvdm.evaluation.baselines).
     if context >= 1:
         result.update(baselines or compare_with_baselines(gen, real[:, :context + n], context, span))
     kw = dict(context=context, window_reach=window_reach, threshold=threshold, pos_tol=pos_tol,

@@ -4,7 +4,7 @@ The paper's *error accumulation* ("temporal degradation" in v2) is measured by c
 context frames, rolling out, and comparing every generated frame with the ground truth at the same index.
 This module computes those per-frame numbers, summarises them over spans of frames (0-16, 16-32, ...),
 reduces them to the *max PSNR decay* (first span minus worst span), and writes ``metrics.csv`` (per frame
-index). A whole rollout's evaluation and its ``eval.json`` live in ``arvdm.evaluate``.
+index). A whole rollout's evaluation and its ``eval.json`` live in ``arvdm.evaluation.evaluate``.
 
 Conventions: videos are ``(B, T, C, H, W)`` float tensors in [-1, 1] (the package-wide convention), so the
 data range of PSNR and SSIM is 2.0. Frame index 0 of every per-frame result is the first *generated* frame.

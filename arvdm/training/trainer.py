@@ -1,7 +1,7 @@
 """Diffusion-forcing training of the denoiser, with exact resume and DistributedDataParallel.
 
     from arvdm.config import get_preset
-    from arvdm.training import train
+    from arvdm.training.trainer import train
     train(get_preset("tiny"), "runs/tiny")                  # fresh run
     train(get_preset("tiny"), "runs/tiny", resume=True)     # continue from the newest checkpoint
 
@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from arvdm.checkpoint import (
+from arvdm.config import Config, ConfigError
+from arvdm.errors import ArvdmError
+from arvdm.model.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_config,
@@ -52,8 +54,6 @@ from arvdm.checkpoint import (
     state_dict_for_safetensors,
     unwrap,
 )
-from arvdm.config import Config, ConfigError
-from arvdm.errors import ArvdmError
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
 SAMPLE_WINDOWS = 2  # ... and how many windows of frames it then generates
@@ -292,8 +292,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *,
                  dist_info: DistInfo | None = None, device: str | None = None):
-        from arvdm.diffusion import PerFrameDiffusion
-        from arvdm.model import Denoiser
+        from arvdm.model.denoiser import Denoiser
+        from arvdm.model.diffusion import PerFrameDiffusion
 
         cfg.validate()
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -328,7 +328,7 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         self.model = Denoiser(cfg).to(self.device)
         if cfg.hybrid.active:  # fine-tune mode: the chosen layers train with streaming masks (arvdm.hybrid)
-            from arvdm.hybrid import apply_for_training
+            from arvdm.hybrid.convert import apply_for_training
 
             apply_for_training(self.model, cfg, self.run_dir)  # records them in cfg.hybrid (saved with the run)
         self.diffusion = PerFrameDiffusion(cfg.diffusion)  # noise tables; moves them to the data's device
@@ -527,8 +527,8 @@ class Trainer:
         """Roll out the EMA model from a few validation frames; write GT | generated as an mp4 (rank 0)."""
         if not self.dist.is_main:
             return None
-        from arvdm.pipeline import rollout
-        from arvdm.schedules import get_schedule
+        from arvdm.pipeline.rollout import rollout
+        from arvdm.schedules.matrix import get_schedule
 
         chunk = self.cfg.model.frames_per_chunk
         # as many ground-truth frames as the model remembers in training (whole chunks), as sample.py does
@@ -641,7 +641,7 @@ def _gather(obj: dict[str, torch.Tensor], info: DistInfo) -> list[dict[str, torc
 # -- outputs ----------------------------------------------------------------------------------------------
 def write_side_by_side(path: str | os.PathLike, real: torch.Tensor, fake: torch.Tensor, fps: int = 8) -> Path:
     """mp4 with ground truth (left) beside generated (right), one row per clip; (B,T,C,H,W) in [-1, 1]."""
-    from arvdm.video import side_by_side, write_video
+    from arvdm.pipeline.video import side_by_side, write_video
 
     scale = max(1, 128 // real.shape[-2])  # small frames are upscaled so the video is watchable
     return write_video(path, side_by_side(real.cpu(), fake.cpu(), scale=scale), fps=fps)

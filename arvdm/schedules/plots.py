@@ -4,7 +4,7 @@
     python -m arvdm.schedules --show fifo --window 4 --steps 8                   # a matrix and its init stage
     plot_schedule(schedule, "mine.png")                                          # any schedule
 
-(``python -m arvdm.schedule_plots ...`` is the same command.) The matrices are arvdm.schedules.
+The matrices are arvdm.schedules.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 from arvdm.errors import USER_ERRORS
+from arvdm.schedules.matrix import PRESETS, ARSchedule, get_schedule
 from data.episodes import atomic_write
-
-from .schedules import PRESETS, ARSchedule, get_schedule
 
 __all__ = ["main", "plot_presets", "plot_schedule"]
 
@@ -137,7 +136,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m arvdm.schedules: error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

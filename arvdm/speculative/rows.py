@@ -42,13 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from arvdm.errors import ArvdmError
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.speculative.bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec, hindsight_regret
+from arvdm.speculative.rules import gaussian_accept_or_reflect
 from memory import MemoryBank, MemoryFrames
 from memory.cache import KVCache
-
-from .bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec, hindsight_regret
-from .diffusion import PerFrameDiffusion
-from .errors import ArvdmError
-from .speculative import gaussian_accept_or_reflect
 
 __all__ = ["Speculation", "RoundRecord", "RowCheck", "tile_state", "make_speculation", "speculation_report",
            "plot_arms", "FROZEN", "NO_DRAFT"]
@@ -96,7 +95,7 @@ class Speculation:
 
     Args:
         arms: (lookahead L, draft name) per arm; L = 1 means a plain step (draft ignored).
-        policy: picks an arm per round (``arvdm.bandits``); its rewards are the rows each round advanced.
+        policy: picks an arm per round (``arvdm.speculative.bandits``); its rewards are the rows each round advanced.
         drafts: draft name -> model (``FROZEN`` needs no entry).
         seed: seed of the uniforms of the accept tests, kept apart from the rollout's generator so that the
             transitions draw the same noise as a plain rollout.
