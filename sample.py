@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    from arvdm.config import SampleSettings
     from arvdm.errors import USER_ERRORS
-    from arvdm.sampling import SampleSettings, sample_run
+    from arvdm.sampling import sample_run
 
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,

@@ -51,8 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace):
     """The run's Config: the preset (or, with --resume, the checkpoint's config) plus the overrides."""
-    from arvdm.config import ConfigError, apply_overrides, get_preset
-    from arvdm.model.checkpoint import CheckpointError, latest_checkpoint, load_config, parse_device
+    from arvdm.config import ConfigError, apply_overrides, get_preset, parse_device
+    from arvdm.model.checkpoint import CheckpointError, latest_checkpoint, load_config
 
     out = args.out or f"runs/{args.preset}"
     # Every flag is checked here, before data generation, process groups or training start.

@@ -14,13 +14,35 @@ import dataclasses
 import json
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from arvdm.errors import ArvdmError
 
 
 class ConfigError(ArvdmError):
     """A configuration value is unknown, of the wrong type, or out of range."""
+
+
+class SamplingError(ArvdmError):
+    """A sampling setting (a sample.py flag) is out of range, or a rollout cannot be run as asked."""
+
+
+SCHEDULE_PRESETS = ("chunked", "fifo", "pyramid")  # names arvdm.schedules.get_schedule builds
+FROZEN_DRAFT = "frozen"  # speculation's default draft: the target with frozen v (arvdm.speculative.rows)
+
+
+def check_eta(eta: Any, name: str, error: type[ArvdmError] = ConfigError) -> float:
+    """The one check of DDIM's stochasticity: a number in [0, 1] (0 = DDIM, 1 = DDPM-like); NaN is refused."""
+    try:
+        value = float(eta)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if isinstance(eta, bool) or not 0.0 <= value <= 1.0:
+        raise error(f"{name} must be in [0, 1] (0 = DDIM, 1 = DDPM-like), got {eta!r}")
+    return value
 
 
 @dataclass
@@ -41,7 +63,7 @@ class DiffusionConfig:
                "must be one of linear, scaled_linear, squaredcos_cap_v2, sigmoid")
         _check(self.prediction_type == "v_prediction", "diffusion.prediction_type", self.prediction_type,
                "only v_prediction is supported")
-        _check(0.0 <= self.eta <= 1.0, "diffusion.eta", self.eta, "must be in [0, 1]")
+        check_eta(self.eta, "diffusion.eta")
 
 
 @dataclass
@@ -234,6 +256,13 @@ class Config:
                f"must be a multiple of model.frames_per_chunk={self.model.frames_per_chunk}")
         return self
 
+    def default_context(self) -> int:
+        """Ground-truth frames a rollout conditions on unless told otherwise: the memory the model was trained
+        with (memory.length), rounded up to whole chunks, at least one chunk. The one rule sample.py, the
+        training sample videos, the grids and the hybrid report share."""
+        c = self.model.frames_per_chunk
+        return -(-max(self.memory.length, 1) // c) * c
+
     # -- (de)serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -253,6 +282,66 @@ class Config:
             else:
                 setattr(cfg, section, values)
         return cfg
+
+def parse_device(name: str | None, flag: str = "--device") -> "torch.device":
+    """"auto" or None (cuda when available, else cpu), or a torch device name that this machine has."""
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"{flag} {name!r} is not a device name (auto, cpu, cuda, cuda:1): {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{flag} {name}: CUDA is not available on this machine; use {flag} cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+@dataclass
+class SampleSettings:
+    """How `sample.py` / `arvdm.sampling.sample_run` rolls a trained run out (each field is a sample.py flag)."""
+
+    frames: int | None = None  # frames to generate; None = all the episodes hold after the context
+    schedule: str = "chunked"  # chunked | fifo | pyramid | path to a schedule file
+    steps: int = 20  # denoising calls each frame takes from K to 0 (the presets compare at equal steps)
+    context: int | None = None  # ground-truth frames to condition on; None = Config.default_context()
+    episodes: int = 4
+    batch_size: int = 4
+    eta: float | None = None  # 0 = DDIM, 1 = DDPM-like; None = the run's diffusion.eta
+    seed: int = 0
+    use_cache: bool = True  # False = recompute the memory at every denoising call (Diffusion Forcing)
+    evaluate: bool = False
+    data: str | None = None  # TECO-layout folder; None = the run's own cfg.data.path
+    split: str = "validation"  # which split of the data folder to roll out (validation | training)
+    use_ema: bool = True
+    device: str = "auto"
+    progress: bool = True
+    hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
+    compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
+
+    speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
+    draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
+    lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
+    level_bins: int = 1  # > 1: one bandit per bin of the noise level a round starts from
+
+    def validate(self) -> SampleSettings:
+        """Check every setting before any work starts; errors name the sample.py flag."""
+        for flag, value, lo in (("--frames", self.frames, 1), ("--steps", self.steps, 1),
+                                ("--context", self.context, 0), ("--episodes", self.episodes, 1),
+                                ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
+                raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
+        if self.eta is not None:
+            check_eta(self.eta, "--eta", SamplingError)
+        if str(self.schedule) not in SCHEDULE_PRESETS and not Path(self.schedule).is_file():
+            raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
+                                f"({', '.join(SCHEDULE_PRESETS)}) and no such file")
+        if self.data is not None and not Path(self.data).is_dir():
+            raise SamplingError(f"--data {self.data}: folder does not exist")
+        parse_device(self.device)
+        return self
+
 
 
 PRESETS: dict[str, dict[str, Any]] = {

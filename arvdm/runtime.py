@@ -26,3 +26,4 @@ def setup_environment() -> dict[str, str]:
     for key, value in THREAD_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in THREAD_ENVIRONMENT}
+

@@ -1,6 +1,7 @@
 """Long rollouts of a trained run against ground-truth episodes: videos, TECO-style arrays, metrics.
 
-    from arvdm.sampling import SampleSettings, sample_run
+    from arvdm.config import SampleSettings
+    from arvdm.sampling import sample_run
     paths = sample_run("runs/tiny", "runs/tiny/samples/chunked", SampleSettings(schedule="fifo", frames=120))
 
 For each of the first ``episodes`` validation episodes: condition on ``context`` ground-truth frames, roll
@@ -14,7 +15,8 @@ out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, 
 - ``metrics.csv``  per generated frame index (0 = first generated frame), mean over episodes: the model's
   PSNR and SSIM, the copy-last and context-mean baselines' (``psnr_copy_last``, ...) and the
   spatial-gradient ratio generated / real (``arvdm.evaluation.baselines``);
-- ``eval.json``    with ``evaluate=True``: spans, max PSNR decay, revisit retrieval, baselines (see arvdm.evaluation.evaluate);
+- ``eval.json``    with ``evaluate=True``: spans, max PSNR decay, revisit retrieval, baselines
+  (see arvdm.evaluation.evaluate);
 - ``speculation.json`` and ``speculation_arms.png`` with ``speculate``: per rollout the target rounds
   (sequential calls) and batched evaluations, rows per round, acceptance per noise level, the arms chosen
   over time, the regret against the best fixed arm (estimated from the observed rounds) and frames/s.
@@ -26,70 +28,27 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from arvdm.config import FROZEN_DRAFT as FROZEN
+from arvdm.config import SampleSettings, SamplingError, parse_device
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
 from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame, write_metrics_csv
 from arvdm.hybrid.convert import HybridModel, wrap_for_sampling
-from arvdm.model.checkpoint import parse_device, resolve_data_path
+from arvdm.model.checkpoint import resolve_data_path
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
-from arvdm.pipeline.runs import SamplingError, load_for_inference, load_validation_episodes
+from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
 from arvdm.schedules.matrix import get_schedule
-from arvdm.speculative.rows import FROZEN, make_speculation, plot_arms, speculation_report
-from data.episodes import atomic_write, atomic_write_text
-
-
-@dataclass
-class SampleSettings:
-    frames: int | None = None  # frames to generate; None = all the episodes hold after the context
-    schedule: str = "chunked"  # chunked | fifo | pyramid | path to a schedule file
-    steps: int = 20  # denoising calls each frame takes from K to 0 (the presets compare at equal steps)
-    context: int | None = None  # ground-truth frames to condition on; None = max(memory length, 1 chunk)
-    episodes: int = 4
-    batch_size: int = 4
-    eta: float | None = None  # 0 = DDIM, 1 = DDPM-like; None = the run's diffusion.eta
-    seed: int = 0
-    use_cache: bool = True  # False = recompute the memory at every denoising call (Diffusion Forcing)
-    evaluate: bool = False
-    data: str | None = None  # TECO-layout folder; None = the run's own cfg.data.path
-    split: str = "validation"  # which split of the data folder to roll out (validation | training)
-    use_ema: bool = True
-    device: str = "auto"
-    progress: bool = True
-    hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
-    compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
-
-    speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
-    draft: str = FROZEN  # "frozen" or the folder of a smaller trained run used as the draft
-    lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
-    level_bins: int = 1  # > 1: one bandit per bin of the noise level a round starts from
-
-    def validate(self) -> SampleSettings:
-        """Check every setting before any work starts; errors name the sample.py flag."""
-        from arvdm.schedules.matrix import PRESETS
-
-        for flag, value, lo in (("--frames", self.frames, 1), ("--steps", self.steps, 1),
-                                ("--context", self.context, 0), ("--episodes", self.episodes, 1),
-                                ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
-                raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
-        if self.eta is not None and not 0.0 <= float(self.eta) <= 1.0:  # also refuses NaN
-            raise SamplingError(f"--eta must be in [0, 1] (0 = DDIM, 1 = DDPM-like), got {self.eta!r}")
-        if str(self.schedule) not in PRESETS and not Path(self.schedule).is_file():
-            raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
-                                f"({', '.join(PRESETS)}) and no such file")
-        if self.data is not None and not Path(self.data).is_dir():
-            raise SamplingError(f"--data {self.data}: folder does not exist")
-        parse_device(self.device)
-        return self
+from arvdm.speculative.rows import make_speculation, plot_arms, speculation_report
+from data.atomic import atomic_write, atomic_write_text
 
 
 def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings: SampleSettings) -> dict[str, Any]:
@@ -111,7 +70,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     model.check_schedule(schedule.delta, schedule.window)
 
     c = cfg.model.frames_per_chunk
-    context = settings.context if settings.context is not None else max(cfg.memory.length, c)
+    context = settings.context if settings.context is not None else cfg.default_context()
     if context < 0 or context % c:
         raise SamplingError(f"--context {context} must be a non-negative multiple of the checkpoint's "
                             f"frames_per_chunk={c}")

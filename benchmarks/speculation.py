@@ -44,7 +44,7 @@ from arvdm.schedules.matrix import get_schedule  # noqa: E402
 from arvdm.speculative.bandits import hindsight_regret  # noqa: E402
 from arvdm.speculative.rows import FROZEN, make_speculation, plot_arms  # noqa: E402
 from benchmarks.common import print_table, set_threads  # noqa: E402
-from data.episodes import atomic_write_text  # noqa: E402
+from data.atomic import atomic_write_text  # noqa: E402
 
 
 class CountingModel:
@@ -65,7 +65,7 @@ def plot_acceptance(results: dict, path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from data.episodes import atomic_write
+    from data.atomic import atomic_write
 
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from .episodes import EpisodeError, atomic_write, open_video_memmap, read_actions_pose, read_frames, read_header
+from .atomic import atomic_write
+from .episodes import EpisodeError, open_video_memmap, read_actions_pose, read_frames, read_header
 from .errors import DataError
 
 INDEX_FILE = ".arvdm_index.json"

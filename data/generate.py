@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from .atomic import atomic_write
 from .envs import ENV_NAMES, MAX_FRAMES, make_env
-from .episodes import EpisodeError, atomic_write, read_header, write_episode
+from .episodes import EpisodeError, read_header, write_episode
 from .errors import DataError
 from .policies import POLICIES, make_policy
 

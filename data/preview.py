@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_write
 from .dataset import DatasetError, list_episodes
-from .episodes import atomic_write, load_episode
+from .episodes import load_episode
 from .errors import DataError
 
 

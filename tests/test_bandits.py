@@ -1,4 +1,5 @@
-"""arvdm/speculative/bandits.py: UCBSpec's bonus and behaviour, EXP3Spec's estimator and regret, stopping-time regret."""
+"""arvdm/speculative/bandits.py: UCBSpec's bonus and behaviour, EXP3Spec's estimator and regret, stopping-time
+regret."""
 
 import math
 

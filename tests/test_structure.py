@@ -21,8 +21,9 @@ def project_modules(root: Path = ROOT) -> dict[str, Path]:
     """Dotted module name -> file, for every module of the four packages."""
     mods = {}
     for pkg in PACKAGES:
-        for f in sorted((root / pkg).glob("*.py")):
-            mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = f.relative_to(root).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return mods
 
 
@@ -170,6 +171,8 @@ def _error_classes() -> list[type]:
 
     found = []
     for name in project_modules():
+        if name.endswith("__main__"):
+            continue  # a CLI entry point: importing it runs it
         if name.startswith("kernels"):
             continue  # kernels raise plain ValueError/TypeError for a caller's bug (docs/INTERFACES.md)
         module = importlib.import_module(name)

@@ -29,7 +29,7 @@ from arvdm.evaluation.metrics import (
     ssim_per_frame,
     summarise_by_span,
 )
-from data.episodes import atomic_write_text
+from data.atomic import atomic_write_text
 
 __all__ = ["EVAL_FORMAT", "REQUIRED_EVAL_KEYS", "evaluate_rollout", "read_eval_json", "to_jsonable",
            "write_eval_json"]
@@ -97,7 +97,8 @@ def evaluate_rollout(
         pos_tol, heading_tol: pose tolerances of a revisit (position units of the pose, radians).
         bins: gap bins of the retrieval rates (default ``arvdm.evaluation.retrieval.DEFAULT_BINS``).
         n_random_per_probe, seed: random (non-revisit) pairs drawn per probe for calibration.
-        criterion, n_distractors: when a revisit counts as retrieved (``arvdm.evaluation.retrieval.evaluate_retrieval``);
+        criterion, n_distractors: when a revisit counts as retrieved
+            (``arvdm.evaluation.retrieval.evaluate_retrieval``);
             the copy-last predictor is scored the same way (``retrieval_baselines``).
         baselines: ``compare_with_baselines(gen, real, context, span)`` if the caller already has it
             (``sample_run`` does), so it is not computed twice.

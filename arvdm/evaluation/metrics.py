@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from data.episodes import atomic_write_text
+from data.atomic import atomic_write_text
 
 __all__ = [
     "frechet_distance",

@@ -5,8 +5,8 @@
     python -m arvdm.experiments pareto --grid my_grid.yaml --only 'prepend-*' --dry-run
     python -m arvdm.experiments report --out experiments/tiny      # tables and plots from finished cells
 
-The grid language is arvdm.experiments.grid, the runner arvdm.experiments.runner, the tables and plots arvdm.experiments.report; the
-grid format and the output folder are described in docs/experiments.md.
+The grid language is arvdm.experiments.grid, the runner arvdm.experiments.runner, the tables and plots
+arvdm.experiments.report; the grid format and the output folder are described in docs/experiments.md.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def _fmt_value(value: Any) -> str:
 
 def _sample_fields() -> dict[str, Any]:
     """SampleSettings' fields and defaults (imported lazily: arvdm.sampling pulls in diffusers)."""
-    from arvdm.sampling import SampleSettings
+    from arvdm.config import SampleSettings
 
     return {f.name: f.default for f in dataclasses.fields(SampleSettings)}
 
@@ -342,7 +342,7 @@ def _check_cell(cfg: Config, sample: Mapping[str, Any]) -> list[str]:
     except (ScheduleError, ValueError, TypeError) as e:
         problems.append(f"schedule {sample['schedule']!r}: {e}")
     context = sample.get("context")
-    context = max(cfg.memory.length, c) if context is None else context
+    context = cfg.default_context() if context is None else context
     if not isinstance(context, int) or context < 0 or context % c:
         problems.append(f"sample.context={context!r} must be a non-negative multiple of model.frames_per_chunk={c}")
     frames = sample.get("frames")
@@ -534,7 +534,7 @@ def _share_context(cells: Sequence[Cell], sample_base: dict[str, Any]) -> None:
     if sample_base.get("context") is not None or not cells:
         return
     chunk = math.lcm(*(c.config.model.frames_per_chunk for c in cells))
-    context = max(max(c.config.memory.length, c.config.model.frames_per_chunk) for c in cells)
+    context = max(c.config.default_context() for c in cells)
     context = -(-context // chunk) * chunk
     sample_base["context"] = context
     for c in cells:

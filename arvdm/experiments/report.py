@@ -32,7 +32,7 @@ from arvdm.evaluation.evaluate import read_eval_json
 from arvdm.evaluation.retrieval import mean_retrieval_rate
 from arvdm.experiments.grid import MEMORY_KEYS, Grid, GridError
 from arvdm.model.checkpoint import checkpoint_step, latest_checkpoint
-from data.episodes import atomic_write, atomic_write_text
+from data.atomic import atomic_write, atomic_write_text
 
 __all__ = [
     "collect_results",

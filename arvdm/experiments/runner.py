@@ -29,7 +29,7 @@ from arvdm.config import Config
 from arvdm.experiments.grid import Cell, Grid, GridError, select_cells
 from arvdm.experiments.report import write_report
 from arvdm.model.checkpoint import checkpoint_step, latest_checkpoint, load_config
-from data.episodes import atomic_write_text
+from data.atomic import atomic_write_text
 
 __all__ = ["REPORT_REFRESH_S", "run_grid", "run_status"]
 
@@ -73,7 +73,7 @@ def _default_sample(run_dir: Path, out_dir: Path, settings: Any) -> Any:
 
 
 def _settings(cell: Cell, device: str | None) -> Any:
-    from arvdm.sampling import SampleSettings
+    from arvdm.config import SampleSettings
 
     kw = dict(cell.sample)
     if device:

@@ -38,7 +38,7 @@ from arvdm.hybrid.convert import (
     select_layers,
     temporal_layers,
 )
-from data.episodes import atomic_write_text
+from data.atomic import atomic_write_text
 
 __all__ = ["calibrate", "main", "plot_heatmap", "plot_tradeoff", "run_calibration", "run_report",
            "selection_strategies"]
@@ -269,7 +269,7 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
     paths = {"heatmap": plot_heatmap(ratios, out_dir / "lazy_ratios.png")}
 
     sched = get_schedule(schedule, cfg.train.window, cfg.diffusion.num_levels, steps)
-    ctx = context if context is not None else max(min(cfg.memory.length, 16), cfg.model.frames_per_chunk)
+    ctx = context if context is not None else cfg.default_context()
     real, actions, poses = load_validation_episodes(data or cfg.data.path, cfg, episodes, ctx, frames)
     actions = actions.to(dev)
     # one untimed warm-up rollout, so the first configuration's frames/s does not pay for first calls

@@ -18,7 +18,7 @@ numbers, strings, lists, tuples and dicts. `save_checkpoint` checks that before 
 
 Weights I/O lives here and only here: `save_pretrained` / `from_pretrained` / `load_weights` work on any
 module (``Denoiser.save_pretrained`` and ``Denoiser.from_pretrained`` delegate to them); files are written
-with `data.episodes.atomic_write`, folders by `write_folder_atomically`. This module imports no model
+with `data.atomic.atomic_write`, folders by `write_folder_atomically`. This module imports no model
 code (`arvdm.sampling.load_for_inference` puts checkpoint and model together), so there is no circle.
 """
 
@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from arvdm.config import Config, ConfigError
 from arvdm.errors import ArvdmError
-from data.episodes import atomic_write
+from data.atomic import atomic_write
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -293,21 +293,6 @@ def load_training_state(ckpt: str | os.PathLike) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path}: cannot load training state ({e})") from e
-
-
-def parse_device(name: str | None, flag: str = "--device") -> torch.device:
-    """"auto" or None (cuda when available, else cpu), or a torch device name that this machine has."""
-    if name is None or name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"{flag} {name!r} is not a device name (auto, cpu, cuda, cuda:1): {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{flag} {name}: CUDA is not available on this machine; use {flag} cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def run_folder(path: str | os.PathLike) -> Path:

@@ -15,13 +15,9 @@ import os
 import numpy as np
 import torch
 
-from arvdm.errors import ArvdmError
+from arvdm.config import SamplingError
 from arvdm.model.checkpoint import load_config, load_weights, resolve_checkpoint
 from arvdm.model.denoiser import Denoiser
-
-
-class SamplingError(ArvdmError):
-    """The run, the data or the settings cannot produce the requested rollout."""
 
 
 def load_for_inference(run_dir: str | os.PathLike, use_ema: bool = True, device: str | torch.device = "cpu"):

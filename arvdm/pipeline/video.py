@@ -1,6 +1,6 @@
 """Video files: tensors in [-1, 1] to uint8 frames, side-by-side ground truth | generated, mp4/gif.
 
-Every file is written through `data.episodes.atomic_write` (a temporary name in its folder, then a rename),
+Every file is written through `data.atomic.atomic_write` (a temporary name in its folder, then a rename),
 so a killed run never leaves a half-written video where a finished one is expected.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.episodes import atomic_write
+from data.atomic import atomic_write
 
 
 def to_uint8(video: torch.Tensor) -> np.ndarray:

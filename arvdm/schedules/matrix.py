@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from arvdm.errors import ArvdmError
-from data.episodes import atomic_write
+from data.atomic import atomic_write
 
 __all__ = [
     "PRESETS",

@@ -19,7 +19,7 @@ import numpy as np
 
 from arvdm.errors import USER_ERRORS
 from arvdm.schedules.matrix import PRESETS, ARSchedule, get_schedule
-from data.episodes import atomic_write
+from data.atomic import atomic_write
 
 __all__ = ["main", "plot_presets", "plot_schedule"]
 

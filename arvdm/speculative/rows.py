@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from arvdm.config import FROZEN_DRAFT as FROZEN
 from arvdm.errors import ArvdmError
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.speculative.bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec, hindsight_regret
@@ -52,7 +53,6 @@ from memory.cache import KVCache
 __all__ = ["Speculation", "RoundRecord", "RowCheck", "tile_state", "make_speculation", "speculation_report",
            "plot_arms", "FROZEN", "NO_DRAFT"]
 
-FROZEN = "frozen"
 NO_DRAFT = "none"
 
 
@@ -397,7 +397,7 @@ def plot_arms(runs: dict[str, Sequence[Speculation]], path: str | os.PathLike, t
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from data.episodes import atomic_write
+    from data.atomic import atomic_write
 
     fig = Figure(figsize=(5 * len(runs) + 1, 5), dpi=100)
     FigureCanvasAgg(fig)

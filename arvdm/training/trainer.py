@@ -530,9 +530,7 @@ class Trainer:
         from arvdm.pipeline.rollout import rollout
         from arvdm.schedules.matrix import get_schedule
 
-        chunk = self.cfg.model.frames_per_chunk
-        # as many ground-truth frames as the model remembers in training (whole chunks), as sample.py does
-        ctx = -(-max(self.m, 1) // chunk) * chunk
+        ctx = self.cfg.default_context()  # the frames the model remembers in training, as sample.py
         n_gen = SAMPLE_WINDOWS * self.w
         if not hasattr(self, "_sample_ds"):
             from data.dataset import DatasetError
