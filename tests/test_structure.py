@@ -277,8 +277,9 @@ def imports_inside_functions(root: Path = ROOT) -> list[str]:
             project = getattr(node, "level", 0) or any(n.split(".")[0] in PACKAGES for n in names)
             marked = any(LAZY_MARK.search(line) for line in lines[max(node.lineno - 2, 0):node.end_lineno])
             if project and not marked:
-                out.append(f"{path.relative_to(root)}:{node.lineno} {lines[node.lineno - 1].strip()}")
-    return sorted(out)
+                where = f"{path.relative_to(root)}:{node.lineno}"
+                out.append((path, node.lineno, f"{where} {lines[node.lineno - 1].strip()}"))
+    return [line for *_, line in sorted(out)]
 
 
 def test_the_import_position_check_finds_planted_lazy_imports(tmp_path):
