@@ -24,7 +24,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _triton_module():
     """Import the Triton backend lazily: importing `kernels` must stay cheap and work without triton."""
-    from . import triton_attention
+    from . import triton_attention  # lazy: importing kernels must not need triton
 
     return triton_attention
 
