@@ -31,6 +31,7 @@ FIRST_FRAMES = (1, 4, 16)  # the "first k generated frames" the headline table r
 VERDICT_FRAMES = 4  # the model must reach copy-last's PSNR over this many first frames
 SHARPNESS_FRAMES = 16  # the sharpness check's gradient ratio is taken over this many first generated frames
 SHARP_RANGE = (0.6, 1.5)  # gradient ratio over the first SHARPNESS_FRAMES frames: below = blur, above = noise
+_FLAT_GRADIENT = 1e-12  # floor of the real frames' gradient sum: flat real frames must not divide by zero
 
 
 def baseline_frames(real: Tensor, context: int, n: int, kind: str) -> Tensor:
@@ -70,7 +71,7 @@ def gradient_ratio_by_span(gen: Tensor, real: Tensor, span: int = 16) -> list[di
 
 def _ratio(g: Tensor, r: Tensor, a: int, b: int) -> float:
     """Sum of per-frame gradients g over frames a..b-1 and episodes, over that of r ((B, N) each)."""
-    return float(g[:, a:b].double().sum() / r[:, a:b].double().sum().clamp(min=1e-12))
+    return float(g[:, a:b].double().sum() / r[:, a:b].double().sum().clamp(min=_FLAT_GRADIENT))
 
 
 def _ratio_by_span(g: Tensor, r: Tensor, span: int) -> list[dict[str, Any]]:

@@ -60,6 +60,9 @@ __all__ = [
 #: Gap bins (frames back) of the retrieval rates: the paper's 0-16 / 16-48 / 48-112, plus everything beyond.
 DEFAULT_BINS: tuple[tuple[float, float], ...] = ((0, 16), (16, 48), (48, 112), (112, math.inf))
 
+# Balanced accuracies this close to the best count as ties (float round-off of (TPR + TNR) / 2).
+_TIE_TOL = 1e-12
+
 #: Below this balanced accuracy a calibration carries a "warning" (chance level is 0.5).
 MIN_RELIABLE_BALANCED_ACCURACY = 0.75
 
@@ -112,7 +115,7 @@ def calibrate_threshold(
     tpr = 1.0 - np.searchsorted(pos, cands, side="left") / pos.size  # fraction of true pairs >= c
     tnr = np.searchsorted(neg, cands, side="left") / neg.size  # fraction of random pairs < c
     ba = (tpr + tnr) / 2
-    best = np.flatnonzero(ba >= ba.max() - 1e-12)
+    best = np.flatnonzero(ba >= ba.max() - _TIE_TOL)
     i = int(best[(len(best) - 1) // 2])
     out = {
         "threshold": float(cands[i]),
@@ -185,7 +188,7 @@ def _rank_retrieved(gen, real, poses, probes, scores, context, window_reach, pos
     """Rank criterion: probe i is retrieved when its score beats SSIM(generated[t], real[d]) for all of
     k distractors d (``random_pairs``: pose unlike t's, |t - d| > window_reach). Returns the probes that
     had distractors and a bool tensor of their outcomes."""
-    g = torch.Generator().manual_seed(seed + 1)
+    g = torch.Generator().manual_seed(seed + 1)  # a stream apart from the calibration's (seed)
     match = {e: pose_match_matrix(poses[e], pos_tol, heading_tol) for e in {pr.b for pr in probes}}  # (T, T) each
     kept, ok = [], []
     for i, pr in enumerate(probes):
