@@ -16,7 +16,8 @@ import yaml
 
 from arvdm.experiments.cli import main
 from arvdm.experiments.grid import GridError, expand_grid, load_grid
-from arvdm.experiments.report import collect_results, write_report
+from arvdm.experiments.report import write_report
+from arvdm.experiments.results import collect_results
 from arvdm.experiments.runner import run_grid, run_status
 from arvdm.model.checkpoint import checkpoint_dir, latest_checkpoint
 

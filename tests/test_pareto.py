@@ -1,18 +1,15 @@
-"""arvdm.experiments.report: Pareto frontier on known point sets (ties, duplicates, missing values), tables, plots."""
+"""arvdm.evaluation.pareto / tables / plots and the paper's numbers (arvdm.experiments.paper): Pareto frontier on
+known point sets (ties, duplicates, missing values), tables, plots."""
 
 import csv
 import math
 
 import pytest
 
-from arvdm.experiments.report import (
-    paper_reference,
-    pareto_frontier,
-    plot_error_accumulation,
-    plot_pareto,
-    plot_retrieval_by_span,
-    write_results_table,
-)
+from arvdm.evaluation.pareto import pareto_frontier, plot_pareto
+from arvdm.evaluation.plots import plot_error_accumulation, plot_retrieval_by_span
+from arvdm.evaluation.tables import write_results_table
+from arvdm.experiments.paper import paper_reference
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

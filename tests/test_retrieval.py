@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
-from arvdm.evaluation.retrieval import (
-    Probe,
-    calibrate_threshold,
-    find_revisits,
-    mean_retrieval_rate,
-    needle_probe,
-    retrieval_by_span,
-    wrap_angle,
-)
+from arvdm.evaluation.retrieval import calibrate_threshold, mean_retrieval_rate, retrieval_by_span
+from arvdm.evaluation.revisits import Probe, find_revisits, needle_probe, wrap_angle
 
 
 def _square_loop(side=10, laps=2):

@@ -23,10 +23,15 @@ from torch import Tensor
 
 from arvdm.evaluation.metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, summarise_by_span
 
+__all__ = ["BASELINES", "FIRST_FRAMES", "SHARPNESS_FRAMES", "SHARP_RANGE", "VERDICT_FRAMES", "baseline_frames",
+           "compare_with_baselines", "first_frames_mean", "gradient_ratio_by_span", "verdict"]
+
 BASELINES = ("copy_last", "context_mean")
 FIRST_FRAMES = (1, 4, 16)  # the "first k generated frames" the headline table reports
 VERDICT_FRAMES = 4  # the model must reach copy-last's PSNR over this many first frames
-SHARP_RANGE = (0.6, 1.5)  # gradient ratio over the first 16 frames: below = blur, above = noise
+SHARPNESS_FRAMES = 16  # the sharpness check's gradient ratio is taken over this many first generated frames
+SHARP_RANGE = (0.6, 1.5)  # gradient ratio over the first SHARPNESS_FRAMES frames: below = blur, above = noise
+_FLAT_GRADIENT = 1e-12  # floor of the real frames' gradient sum: flat real frames must not divide by zero
 
 
 def baseline_frames(real: Tensor, context: int, n: int, kind: str) -> Tensor:
@@ -57,13 +62,16 @@ def first_frames_mean(per_frame: Tensor, ks=FIRST_FRAMES) -> dict[str, float]:
 
 def gradient_ratio_by_span(gen: Tensor, real: Tensor, span: int = 16) -> list[dict[str, Any]]:
     """Spatial-gradient ratio generated / real per span of frames: sum of mean |∇| over the span's frames
-    and episodes, generated over real. gen, real: (B, N, C, H, W) aligned frame for frame."""
+    and episodes, generated over real. gen, real: (B, N, C, H, W) aligned frame for frame.
+
+    Public API for the sharpness check on its own; ``compare_with_baselines`` reports the same numbers
+    (its ``gradient_ratio_by_span``) beside the baselines."""
     return _ratio_by_span(spatial_gradient_per_frame(gen), spatial_gradient_per_frame(real), span)
 
 
 def _ratio(g: Tensor, r: Tensor, a: int, b: int) -> float:
     """Sum of per-frame gradients g over frames a..b-1 and episodes, over that of r ((B, N) each)."""
-    return float(g[:, a:b].double().sum() / r[:, a:b].double().sum().clamp(min=1e-12))
+    return float(g[:, a:b].double().sum() / r[:, a:b].double().sum().clamp(min=_FLAT_GRADIENT))
 
 
 def _ratio_by_span(g: Tensor, r: Tensor, span: int) -> list[dict[str, Any]]:
@@ -97,7 +105,7 @@ def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 
                            "psnr_curve": psnr[kind].double().mean(0).tolist(),
                            "ssim_curve": ssim[kind].double().mean(0).tolist()}
     g, r = spatial_gradient_per_frame(gen), spatial_gradient_per_frame(target)  # (B, N) each, computed once
-    g16 = _ratio(g, r, 0, 16)
+    g16 = _ratio(g, r, 0, SHARPNESS_FRAMES)
     first = {name: {"psnr": first_frames_mean(psnr[name]), "ssim": first_frames_mean(ssim[name])}
              for name in ("model", *BASELINES)}
     return {"first_frames": first, "baselines": baselines, "gradient_ratio_by_span": _ratio_by_span(g, r, span),
@@ -115,7 +123,8 @@ def verdict(first: dict[str, Any], gradient_ratio: float) -> dict[str, Any]:
     texture = "sharp" if sharp else ("NOISY" if gradient_ratio > hi else "BLURRY")
     head = (f"model {'beats' if beats else 'LOSES TO'} copy-last over the first {key} generated frames "
             f"({model:.2f} vs {copy:.2f} dB)")
-    tail = f"; frames are {texture} (spatial-gradient ratio {gradient_ratio:.2f} over the first 16, want {lo}-{hi})"
+    tail = (f"; frames are {texture} (spatial-gradient ratio {gradient_ratio:.2f} over the first {SHARPNESS_FRAMES}, "
+            f"want {lo}-{hi})")
     warn = "" if beats and sharp else (" — its error curves and retrieval rates measure a model that has not "
                                        "learned this video; do not read them as results")
     return {"beats_copy_last": beats, "sharp": sharp, "frames": int(key), "model_psnr": model,

@@ -20,15 +20,16 @@ from typing import Any
 
 from torch import Tensor
 
-from arvdm.evaluation import retrieval as R
 from arvdm.evaluation.baselines import baseline_frames, compare_with_baselines
 from arvdm.evaluation.metrics import (
-    _check_videos,
+    check_videos,
     max_psnr_decay,
     psnr_per_frame,
     ssim_per_frame,
     summarise_by_span,
 )
+from arvdm.evaluation.retrieval import evaluate_retrieval
+from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL
 from data.atomic import atomic_write_text
 
 __all__ = ["EVAL_FORMAT", "REQUIRED_EVAL_KEYS", "evaluate_rollout", "read_eval_json", "to_jsonable",
@@ -37,7 +38,7 @@ __all__ = ["EVAL_FORMAT", "REQUIRED_EVAL_KEYS", "evaluate_rollout", "read_eval_j
 #: Version tag written into every eval.json so readers can tell formats apart.
 EVAL_FORMAT = "arvdm.eval/1"
 
-#: Keys every eval.json must carry (issue 6); write_eval_json refuses a result without them.
+#: Keys every eval.json must carry (the experiment tables read them); write_eval_json refuses a result without them.
 REQUIRED_EVAL_KEYS = (
     "psnr_by_span",
     "ssim_by_span",
@@ -47,6 +48,7 @@ REQUIRED_EVAL_KEYS = (
     "n_frames",
     "n_probes",
 )
+
 
 def _split_generated(fake: Tensor, real: Tensor, context: int) -> Tensor:
     """Return the generated part of ``fake`` (B, T - context, ...) given a full ground-truth ``real``."""
@@ -72,8 +74,8 @@ def evaluate_rollout(
     threshold: float | None = None,
     *,
     span: int = 16,
-    pos_tol: float = 0.5,
-    heading_tol: float = math.radians(20.0),
+    pos_tol: float = DEFAULT_POS_TOL,
+    heading_tol: float = DEFAULT_HEADING_TOL,
     bins: Sequence[tuple[float, float]] | None = None,
     n_random_per_probe: int = 4,
     seed: int = 0,
@@ -105,12 +107,25 @@ def evaluate_rollout(
     Returns:
         A JSON-ready dict; see docs/evaluation.md for every field.
     """
-    _check_videos(real, real, "evaluate_rollout")
+    check_videos(real, real, "evaluate_rollout")
     gen = _split_generated(fake, real, context)  # (B, N, C, H, W)
     target = real[:, context:]  # (B, N, C, H, W)
-    _check_videos(gen, target, "evaluate_rollout")
-    b, n = gen.shape[:2]
+    check_videos(gen, target, "evaluate_rollout")
+    n = gen.shape[1]
+    result = _frame_measures(gen, target, context, span)
+    # Beside the model, always: copy-last, context-mean, sharpness and a verdict (arvdm.evaluation.baselines).
+    if context >= 1:
+        result.update(baselines or compare_with_baselines(gen, real[:, :context + n], context, span))
+    kw = dict(context=context, window_reach=window_reach, threshold=threshold, pos_tol=pos_tol,
+              heading_tol=heading_tol, bins=bins, n_random_per_probe=n_random_per_probe, seed=seed,
+              criterion=criterion, n_distractors=n_distractors)
+    result.update(_retrieval_fields(gen, real, poses, kw))
+    return result
 
+
+def _frame_measures(gen: Tensor, target: Tensor, context: int, span: int) -> dict[str, Any]:
+    """PSNR / SSIM per frame of gen vs target (B, N, C, H, W) each: by span, curves, means, max PSNR decay."""
+    b, n = gen.shape[:2]
     psnr = psnr_per_frame(gen, target)  # (B, N)
     ssim = ssim_per_frame(gen, target)  # (B, N)
     psnr_spans = summarise_by_span(psnr, span)
@@ -118,7 +133,7 @@ def evaluate_rollout(
     # Label the worst span for the reader; NaN spans (no values) cannot be the worst.
     ranked = [s for s in psnr_spans if not math.isnan(s["mean"])] or psnr_spans
     first, worst = psnr_spans[0], min(ranked, key=lambda s: s["mean"])
-    result: dict[str, Any] = {
+    return {
         "format": EVAL_FORMAT,
         "n_episodes": b,
         "context": context,
@@ -134,17 +149,16 @@ def evaluate_rollout(
         "psnr_curve": psnr.double().mean(0).tolist(),
         "ssim_curve": ssim.double().mean(0).tolist(),
     }
-    # Beside the model, always: copy-last, context-mean, sharpness and a verdict (arvdm.evaluation.baselines).
-    if context >= 1:
-        result.update(baselines or compare_with_baselines(gen, real[:, :context + n], context, span))
-    kw = dict(context=context, window_reach=window_reach, threshold=threshold, pos_tol=pos_tol,
-              heading_tol=heading_tol, bins=bins, n_random_per_probe=n_random_per_probe, seed=seed,
-              criterion=criterion, n_distractors=n_distractors)
-    result.update(R.evaluate_retrieval(gen, real, poses, **kw))
+
+
+def _retrieval_fields(gen: Tensor, real: Tensor, poses: Tensor | None, kw: dict[str, Any]) -> dict[str, Any]:
+    """`evaluate_retrieval` of the model and, when there are probes, of copy-last on the same probes."""
+    result = evaluate_retrieval(gen, real, poses, **kw)
+    context, n = kw["context"], gen.shape[1]
     if context >= 1 and result.get("n_probes"):
         # the same probes scored on a predictor without memory: what retrieval a still world gets
-        kw["threshold"] = result["retrieval_threshold"]  # calibrated once, on the ground truth, above
-        copy = R.evaluate_retrieval(baseline_frames(real, context, n, "copy_last"), real, poses, **kw)
+        kw = {**kw, "threshold": result["retrieval_threshold"]}  # calibrated once, on the ground truth, above
+        copy = evaluate_retrieval(baseline_frames(real, context, n, "copy_last"), real, poses, **kw)
         result["retrieval_baselines"] = {"copy_last": {"retrieval_mean": copy["retrieval_mean"],
                                                        "retrieval_by_span": copy["retrieval_by_span"]}}
     return result

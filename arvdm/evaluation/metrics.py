@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from data.atomic import atomic_write_text
 
 __all__ = [
+    "check_videos",
     "frechet_distance",
     "fvd",
     "gaussian_stats",
@@ -47,11 +49,8 @@ __all__ = [
 
 # Frames per torchmetrics call: bounds the memory of SSIM's five filtered maps on long rollouts.
 _FRAMES_PER_CALL = 256
-
-
-# --------------------------------------------------------------------------------------------------------
-# Atomic file writing
-# --------------------------------------------------------------------------------------------------------
+#: Side of SSIM's Gaussian window: frames must be at least this large in both directions.
+SSIM_WINDOW = 11
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -59,7 +58,7 @@ _FRAMES_PER_CALL = 256
 # --------------------------------------------------------------------------------------------------------
 
 
-def _check_videos(fake: Tensor, real: Tensor, name: str = "videos") -> None:
+def check_videos(fake: Tensor, real: Tensor, name: str = "videos") -> None:
     """Raise a clear error unless ``fake`` and ``real`` are same-shaped float ``(B, T, C, H, W)`` tensors."""
     for label, x in (("fake", fake), ("real", real)):
         if not isinstance(x, Tensor):
@@ -94,9 +93,10 @@ def psnr_per_frame(fake: Tensor, real: Tensor, data_range: float = 2.0) -> Tenso
         (B, T) float32. Identical frames give ``inf`` (MSE = 0); span summaries keep that visible rather
         than inventing a cap (eval.json writes it as null).
     """
+    # lazy: torchmetrics takes seconds to import, and a module that only reads eval.json needs none of it
     from torchmetrics.functional.image import peak_signal_noise_ratio
 
-    _check_videos(fake, real, "psnr_per_frame")
+    check_videos(fake, real, "psnr_per_frame")
     b, t = fake.shape[:2]
     f, r = _frames(fake), _frames(real)  # (B*T, C, H, W)
     # dim=(1, 2, 3): MSE over C, H, W of each frame; reduction "none" keeps one value per frame.
@@ -119,12 +119,14 @@ def ssim_per_frame(fake: Tensor, real: Tensor, data_range: float = 2.0) -> Tenso
     Returns:
         (B, T) float32 in [-1, 1]; 1 for identical frames.
     """
+    # lazy: torchmetrics takes seconds to import (see psnr_per_frame)
     from torchmetrics.functional.image import structural_similarity_index_measure
 
-    _check_videos(fake, real, "ssim_per_frame")
+    check_videos(fake, real, "ssim_per_frame")
     b, t, _, h, w = fake.shape
-    if min(h, w) < 11:
-        raise ValueError(f"ssim_per_frame: frames must be at least 11x11 (the SSIM window), got {h}x{w}")
+    if min(h, w) < SSIM_WINDOW:
+        raise ValueError(f"ssim_per_frame: frames must be at least {SSIM_WINDOW}x{SSIM_WINDOW} (the SSIM window), "
+                         f"got {h}x{w}")
     f, r = _frames(fake), _frames(real)  # (B*T, C, H, W)
     parts = [
         structural_similarity_index_measure(
@@ -159,7 +161,7 @@ def _load_lpips(weights_path: str | os.PathLike | None, net_type: str) -> torch.
     # load_state_dict_from_url, which downloads unless torch.hub's cache holds a file of the name torchvision
     # picks, and takes no path. Feeding it a local file would mean redirecting torch.hub's folder for the
     # whole process, and a renamed file would then silently download. tests/test_metrics.py pins this use.
-    from torchmetrics.functional.image.lpips import _LPIPS
+    from torchmetrics.functional.image.lpips import _LPIPS  # lazy: as in psnr_per_frame
 
     # pnet_rand=True: build the backbone without torchvision's ImageNet download; the LPIPS linear heads
     # (pretrained=True) ship inside torchmetrics. The real backbone weights come from the user's file below.
@@ -214,7 +216,7 @@ def lpips_per_frame(
     Returns:
         (B, T) float32.
     """
-    _check_videos(fake, real, "lpips_per_frame")
+    check_videos(fake, real, "lpips_per_frame")
     b, t, c = fake.shape[:3]
     if c != 3:
         raise ValueError(f"lpips_per_frame: LPIPS needs RGB frames (C=3), got C={c}")
@@ -425,8 +427,6 @@ def i3d_features(
     ``{"rescale": False, "resize": False, "return_features": True}`` for that port (pass ``{}`` for a module
     whose ``forward`` takes only the video). Grayscale videos are repeated to 3 channels.
     """
-    import torch.nn.functional as F
-
     if videos.ndim != 5:
         raise ValueError(f"i3d_features: videos must be (B, T, C, H, W), got {tuple(videos.shape)}")
     default_kwargs = {"rescale": False, "resize": False, "return_features": True}

@@ -4,14 +4,15 @@ The paper's *memory bottleneck* ("history forgetting" in v2) is measured on revi
 (position and heading) matches an earlier frame. A model that remembers should render the place as it
 was. This module
 
-1. finds revisits from ground-truth poses (``find_revisits``): for each generated frame t, the earlier frame
-   s < t with a matching pose that lies *out of the network's direct reach* (t - s > window_reach), so that
-   only memory can supply it;
+1. takes the revisits found from ground-truth poses (``arvdm.evaluation.revisits.find_revisits``): for each
+   generated frame t, the earlier frame s < t with a matching pose that lies *out of the network's direct
+   reach* (t - s > window_reach), so that only memory can supply it;
 2. calibrates the SSIM threshold that says "same place" (``calibrate_threshold``) on the ground truth:
    true revisit pairs SSIM(real[t], real[s]) against random non-revisit pairs SSIM(real[t], real[r]),
    choosing the threshold with the best balanced accuracy;
-3. scores a probe as retrieved when SSIM(generated[t], real[t]) >= threshold, and reports the rate binned
-   by the gap t - s (``retrieval_by_span``: 0-16, 16-48, 48-112, 112+).
+3. scores a probe as retrieved -- by default when SSIM(generated[t], real[t]) beats SSIM(generated[t], real[d])
+   for every distractor frame d, else when it reaches the threshold -- and reports the rate binned by the
+   gap t - s (``retrieval_by_span``: 0-16, 16-48, 48-112, 112+).
 
 Why compare generated[t] with real[t] (and not with real[s]): at a revisit real[t] *is* what was seen at s,
 up to the pose tolerance (a few degrees of heading, a fraction of a cell) and anything that moved. Comparing
@@ -20,14 +21,14 @@ difference between the two views; the calibration measures how large that differ
 real[t] vs real[s]) and sets the threshold so that "generated[t] is as close to real[t] as a true revisit
 view is" counts as retrieval. Pairing uses ground-truth poses only: the generated video has no poses.
 
-Poses are (T, 3) = (x, y, heading in radians); heading differences are wrapped to [-pi, pi).
+Tensors: generated frames (B, N, C, H, W), ground truth (B, context + N, C, H, W) in [-1, 1], poses
+(B, context + N, 3) = (x, y, heading in radians).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -35,129 +36,35 @@ import torch
 from torch import Tensor
 
 from arvdm.evaluation.metrics import span_label, ssim_per_frame
+from arvdm.evaluation.revisits import (
+    DEFAULT_HEADING_TOL,
+    DEFAULT_POS_TOL,
+    Probe,
+    check_poses,
+    find_revisits,
+    needle_probe,
+    pose_match_matrix,
+    random_pairs,
+)
 
 __all__ = [
     "DEFAULT_BINS",
     "MIN_RELIABLE_BALANCED_ACCURACY",
-    "Probe",
     "calibrate_threshold",
     "evaluate_retrieval",
-    "find_revisits",
     "mean_retrieval_rate",
-    "needle_probe",
     "pair_ssim",
-    "pose_match_matrix",
     "retrieval_by_span",
-    "wrap_angle",
 ]
 
 #: Gap bins (frames back) of the retrieval rates: the paper's 0-16 / 16-48 / 48-112, plus everything beyond.
 DEFAULT_BINS: tuple[tuple[float, float], ...] = ((0, 16), (16, 48), (48, 112), (112, math.inf))
 
+# Balanced accuracies this close to the best count as ties (float round-off of (TPR + TNR) / 2).
+_TIE_TOL = 1e-12
 
 #: Below this balanced accuracy a calibration carries a "warning" (chance level is 0.5).
 MIN_RELIABLE_BALANCED_ACCURACY = 0.75
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One revisit: frame ``t`` (absolute index in episode ``b``) shows the place seen at frame ``s``."""
-
-    t: int
-    s: int
-    b: int = 0
-
-    @property
-    def gap(self) -> int:
-        """How far back the match is, in frames (t - s > 0)."""
-        return self.t - self.s
-
-    def to_dict(self) -> dict[str, int]:
-        return {**asdict(self), "gap": self.gap}
-
-
-def wrap_angle(a: Tensor) -> Tensor:
-    """Wrap angles (radians) to [-pi, pi)."""
-    return torch.remainder(a + math.pi, 2 * math.pi) - math.pi
-
-
-def _check_poses(poses: Tensor, name: str) -> Tensor:
-    poses = torch.as_tensor(poses, dtype=torch.float64)
-    if poses.ndim not in (2, 3) or poses.shape[-1] != 3:
-        raise ValueError(
-            f"{name}: poses must be (T, 3) or (B, T, 3) = (x, y, heading), got {tuple(poses.shape)}"
-        )
-    if not torch.isfinite(poses).all():
-        raise ValueError(f"{name}: poses contain NaN or inf")
-    return poses
-
-
-def pose_match_matrix(poses: Tensor, pos_tol: float, heading_tol: float) -> Tensor:
-    """(T, 3) poses -> (T, T) bool: entry [t, s] is True when frames t and s show the same view
-    (Euclidean position distance <= pos_tol and wrapped heading difference <= heading_tol)."""
-    p = _check_poses(poses, "pose_match_matrix")
-    if p.ndim != 2:
-        raise ValueError(f"pose_match_matrix: expected (T, 3) poses, got {tuple(p.shape)}")
-    dist = torch.cdist(p[:, :2], p[:, :2])  # (T, T)
-    dh = wrap_angle(p[:, None, 2] - p[None, :, 2]).abs()  # (T, T)
-    # A small slack so that tolerances stated exactly (e.g. pos_tol=1 on a grid) are inclusive despite
-    # float round-off in cdist / wrapping.
-    eps = 1e-9
-    return (dist <= pos_tol + eps) & (dh <= heading_tol + eps)
-
-
-def find_revisits(
-    poses: Tensor,
-    pos_tol: float = 0.5,
-    heading_tol: float = math.radians(20.0),
-    window_reach: int = 0,
-    start: int = 0,
-    before: int | None = None,
-    match: Literal["latest", "earliest", "all"] = "latest",
-) -> list[Probe]:
-    """Revisit probes from ground-truth poses.
-
-    Frame t (``start <= t < T``, typically ``start`` = number of context frames, so t is a generated frame)
-    is a probe when some earlier frame s has a matching pose (``pose_match_matrix``) and
-    ``t - s > window_reach``: frames within the reach are visible to the network without memory (its
-    denoising window), so a match there tests nothing about memory. ``before`` optionally restricts s to
-    ``s < before`` (e.g. only ground-truth context frames).
-
-    ``match`` picks s when several frames qualify: ``"latest"`` (default) the most recent one, i.e. the
-    smallest gap -- the least far back memory has to reach, which is what the gap bins should measure --
-    ``"earliest"`` the first visit, ``"all"`` one probe per qualifying pair.
-
-    Args:
-        poses: (T, 3) or (B, T, 3); with a batch, probes carry the episode index ``b``.
-    Returns:
-        Probes sorted by (b, t, s).
-    """
-    p = _check_poses(poses, "find_revisits")
-    if window_reach < 0:
-        raise ValueError(f"find_revisits: window_reach must be >= 0, got {window_reach}")
-    if match not in ("latest", "earliest", "all"):
-        raise ValueError(f"find_revisits: match must be 'latest', 'earliest' or 'all', got {match!r}")
-    if p.ndim == 2:
-        p = p[None]  # (1, T, 3)
-    t_len = p.shape[1]
-    idx = torch.arange(t_len)
-    gap = idx[:, None] - idx[None, :]  # (T, T): gap[t, s] = t - s
-    allowed = (gap > window_reach) & (idx[:, None] >= start)  # (T, T)
-    if before is not None:
-        allowed &= idx[None, :] < before
-    probes: list[Probe] = []
-    for b in range(p.shape[0]):
-        valid = pose_match_matrix(p[b], pos_tol, heading_tol) & allowed  # (T, T)
-        if match == "all":
-            probes += [Probe(int(t), int(s), b) for t, s in valid.nonzero().tolist()]
-            continue
-        has = valid.any(1)  # (T,)
-        if match == "latest":
-            s_pick = torch.where(valid, idx[None, :], -1).max(1).values  # (T,)
-        else:
-            s_pick = torch.where(valid, idx[None, :], t_len).min(1).values  # (T,)
-        probes += [Probe(int(t), int(s_pick[t]), b) for t in has.nonzero().flatten().tolist()]
-    return probes
 
 
 def pair_ssim(frames_a: Tensor, frames_b: Tensor) -> Tensor:
@@ -208,7 +115,7 @@ def calibrate_threshold(
     tpr = 1.0 - np.searchsorted(pos, cands, side="left") / pos.size  # fraction of true pairs >= c
     tnr = np.searchsorted(neg, cands, side="left") / neg.size  # fraction of random pairs < c
     ba = (tpr + tnr) / 2
-    best = np.flatnonzero(ba >= ba.max() - 1e-12)
+    best = np.flatnonzero(ba >= ba.max() - _TIE_TOL)
     i = int(best[(len(best) - 1) // 2])
     out = {
         "threshold": float(cands[i]),
@@ -277,80 +184,15 @@ def mean_retrieval_rate(by_span: Sequence[Mapping[str, Any]]) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def needle_probe(
-    video: Tensor,
-    poses: Tensor,
-    context: int,
-    pos_tol: float = 0.5,
-    heading_tol: float = math.radians(20.0),
-    window_reach: int = 0,
-) -> dict[str, Any] | None:
-    """Needle-in-a-haystack probe (paper v2): a distinctive view early in the context, a return to it late.
-
-    The needle is the context frame (index < ``context``) furthest in pixel space (RMS difference) from the
-    episode's mean frame -- a view unlike the rest of the episode, so a rollout cannot reproduce it by
-    chance. Among context frames in decreasing distinctiveness, the first that the agent returns to (a
-    frame t >= context with a matching pose and t - s > window_reach) is taken, with its *latest* return.
-
-    Args:
-        video: ground-truth episode (T, C, H, W).
-        poses: (T, 3).
-    Returns:
-        ``{"t", "s", "gap", "b": 0, "distinctiveness", "rank"}`` (rank 0 = the most distinctive context
-        frame), or None if no context frame is ever revisited.
-    """
-    p = _check_poses(poses, "needle_probe")
-    if video.ndim != 4 or p.ndim != 2 or video.shape[0] != p.shape[0]:
-        raise ValueError(
-            f"needle_probe: need video (T, C, H, W) and poses (T, 3) of equal T, got {tuple(video.shape)}"
-            f" and {tuple(p.shape)}"
-        )
-    t_len = video.shape[0]
-    if not 0 < context <= t_len:
-        raise ValueError(f"needle_probe: context must be in [1, {t_len}], got {context}")
-    v = video.double()
-    mean = v.mean(0, keepdim=True)  # (1, C, H, W)
-    dist = (v[:context] - mean).pow(2).mean(dim=(1, 2, 3)).sqrt()  # (context,) RMS distance
-    match = pose_match_matrix(p, pos_tol, heading_tol)  # (T, T)
-    later = torch.arange(t_len)
-    for rank, s in enumerate(torch.argsort(dist, descending=True).tolist()):
-        returns = match[:, s] & (later >= context) & (later - s > window_reach)  # (T,)
-        if returns.any():
-            t = int(returns.nonzero().max())
-            return {"t": t, "s": s, "gap": t - s, "b": 0, "distinctiveness": float(dist[s]), "rank": rank}
-    return None
-
-
-def _random_pairs(
-    match: Tensor, probes: Sequence[Probe], window_reach: int, k: int, gen: torch.Generator
-) -> list[tuple[int, int]]:
-    """k random non-revisit partners r per probe frame t: pose does not match t and |t - r| > window_reach.
-
-    The gap condition keeps random pairs as far apart in time as true pairs, so that temporal continuity
-    (neighbouring frames look alike) does not make the random pairs look easier to tell apart than they are.
-    """
-    t_len = match.shape[0]
-    idx = torch.arange(t_len)
-    pairs = []
-    for pr in probes:
-        ok = ~match[pr.t] & ((idx - pr.t).abs() > window_reach)  # (T,)
-        cand = ok.nonzero().flatten()
-        if cand.numel() == 0:
-            continue
-        pick = cand[torch.randint(cand.numel(), (k,), generator=gen)]
-        pairs += [(pr.t, int(r)) for r in pick]
-    return pairs
-
-
 def _rank_retrieved(gen, real, poses, probes, scores, context, window_reach, pos_tol, heading_tol, k, seed):
     """Rank criterion: probe i is retrieved when its score beats SSIM(generated[t], real[d]) for all of
-    k distractors d (``_random_pairs``: pose unlike t's, |t - d| > window_reach). Returns the probes that
+    k distractors d (``random_pairs``: pose unlike t's, |t - d| > window_reach). Returns the probes that
     had distractors and a bool tensor of their outcomes."""
-    g = torch.Generator().manual_seed(seed + 1)
+    g = torch.Generator().manual_seed(seed + 1)  # a stream apart from the calibration's (seed)
     match = {e: pose_match_matrix(poses[e], pos_tol, heading_tol) for e in {pr.b for pr in probes}}  # (T, T) each
     kept, ok = [], []
     for i, pr in enumerate(probes):
-        pairs = _random_pairs(match[pr.b], [pr], window_reach, k, g)
+        pairs = random_pairs(match[pr.b], [pr], window_reach, k, g)
         if not pairs:
             continue
         d = [r for _, r in pairs]
@@ -367,8 +209,8 @@ def evaluate_retrieval(
     context: int,
     window_reach: int,
     threshold: float | None = None,
-    pos_tol: float = 0.5,
-    heading_tol: float = math.radians(20.0),
+    pos_tol: float = DEFAULT_POS_TOL,
+    heading_tol: float = DEFAULT_HEADING_TOL,
     bins: Sequence[tuple[float, float]] | None = None,
     n_random_per_probe: int = 4,
     seed: int = 0,
@@ -384,9 +226,9 @@ def evaluate_retrieval(
       ``n_distractors`` distractor frames d of the same episode (pose unlike t's, farther than the
       window's reach; seeded). A frame that looks like *the right place* wins even when blurry; a frame
       that looks like any place wins by chance only, 1 / (n_distractors + 1), reported as
-      ``retrieval_chance``. On Memory Maze a true revisit view scores SSIM 0.62 against 0.43 for a
-      random pair, too close for an absolute threshold to separate them well (balanced accuracy 0.745).
-    - ``threshold``: SSIM(generated[t], real[t]) >= a calibrated (or given) threshold (the first design).
+      ``retrieval_chance``. It needs no absolute SSIM level: views of one maze can score similar SSIMs
+      whether or not they show the same place, which a single threshold separates poorly.
+    - ``threshold``: SSIM(generated[t], real[t]) >= a calibrated (or given) threshold.
 
     Args:
         gen: generated frames (B, N, C, H, W); gen[:, i] is episode frame ``context + i``.
@@ -398,32 +240,17 @@ def evaluate_retrieval(
         ``retrieval_calibration``, ``retrieval_settings``, ``n_probes``, ``needle``.
     """
     bins = DEFAULT_BINS if bins is None else tuple(bins)
-    b, n = gen.shape[:2]
-    t_len = real.shape[1]
-    if real.shape[0] != b or t_len != context + n:
-        raise ValueError(
-            f"evaluate_retrieval: gen {tuple(gen.shape)} and real {tuple(real.shape)} "
-            f"do not fit context={context}"
-        )
-    settings = {
-        "pos_tol": pos_tol, "heading_tol": heading_tol, "window_reach": window_reach, "match": match,
-        "criterion": criterion, "n_distractors": n_distractors if criterion == "rank" else None,
-        "compare": ("SSIM(generated[t], real[t]) > SSIM(generated[t], real[d]) for every distractor d"
-                    if criterion == "rank" else "SSIM(generated[t], real[t]) >= threshold"),
-    }
-    if criterion not in ("rank", "threshold"):
-        raise ValueError(f"evaluate_retrieval: criterion must be rank or threshold, got {criterion!r}")
-    if criterion == "rank" and n_distractors < 1:
-        raise ValueError(f"evaluate_retrieval: n_distractors must be >= 1, got {n_distractors}")
+    _check_fit(gen, real, context)
+    settings = _retrieval_settings(pos_tol, heading_tol, window_reach, match, criterion, n_distractors)
     empty = _empty_result(bins, threshold, settings, criterion, n_distractors)
     if poses is None:
         return {**empty, "retrieval_skipped": "no poses given"}
-    p = _check_poses(poses, "evaluate_retrieval")
-    if p.shape[:2] != (b, t_len):
+    p = check_poses(poses, "evaluate_retrieval")
+    if p.shape[:2] != real.shape[:2]:
         raise ValueError(f"evaluate_retrieval: poses {tuple(p.shape)} do not fit real {tuple(real.shape)}")
 
     probes = find_revisits(p, pos_tol, heading_tol, window_reach, start=context, match=match)
-    needles = [{**nd, "b": e} for e in range(b)
+    needles = [{**nd, "b": e} for e in range(real.shape[0])
                if (nd := needle_probe(real[e], p[e], context, pos_tol, heading_tol, window_reach)) is not None]
 
     if threshold is not None:
@@ -441,19 +268,43 @@ def evaluate_retrieval(
     else:
         probes, ok = _score_probes(gen, real, p, probes, context, threshold, criterion, window_reach, pos_tol,
                                    heading_tol, n_distractors, seed)
-        by_span = retrieval_by_span(probes, ok, bins)
-        result = {
-            "retrieval_by_span": by_span,
-            "retrieval_mean": mean_retrieval_rate(by_span),
-            "retrieval_overall": float(ok.float().mean()),
-            "retrieval_threshold": threshold,
-            "retrieval_calibration": calibration,
-            "retrieval_settings": settings,
-            "n_probes": len(probes),
-            "retrieval_chance": empty["retrieval_chance"],
-        }
+        result = {**_rates(probes, ok, bins), "retrieval_threshold": threshold,
+                  "retrieval_calibration": calibration, "retrieval_settings": settings, "n_probes": len(probes),
+                  "retrieval_chance": empty["retrieval_chance"]}
     result["needle"] = _score_needles(gen, real, needles, context, threshold)
     return result
+
+
+def _check_fit(gen: Tensor, real: Tensor, context: int) -> None:
+    """gen (B, N, ...) must be the frames after ``context`` of real (B, context + N, ...)."""
+    b, n = gen.shape[:2]
+    if real.shape[0] != b or real.shape[1] != context + n:
+        raise ValueError(
+            f"evaluate_retrieval: gen {tuple(gen.shape)} and real {tuple(real.shape)} "
+            f"do not fit context={context}"
+        )
+
+
+def _retrieval_settings(pos_tol, heading_tol, window_reach, match, criterion, n_distractors) -> dict[str, Any]:
+    """eval.json's ``retrieval_settings`` (how probes were found and scored), after checking the criterion."""
+    settings = {
+        "pos_tol": pos_tol, "heading_tol": heading_tol, "window_reach": window_reach, "match": match,
+        "criterion": criterion, "n_distractors": n_distractors if criterion == "rank" else None,
+        "compare": ("SSIM(generated[t], real[t]) > SSIM(generated[t], real[d]) for every distractor d"
+                    if criterion == "rank" else "SSIM(generated[t], real[t]) >= threshold"),
+    }
+    if criterion not in ("rank", "threshold"):
+        raise ValueError(f"evaluate_retrieval: criterion must be rank or threshold, got {criterion!r}")
+    if criterion == "rank" and n_distractors < 1:
+        raise ValueError(f"evaluate_retrieval: n_distractors must be >= 1, got {n_distractors}")
+    return settings
+
+
+def _rates(probes: Sequence[Probe], ok: Tensor, bins: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """The scored probes' retrieval rate per gap bin, their mean over bins, and the rate over all probes."""
+    by_span = retrieval_by_span(probes, ok, bins)
+    return {"retrieval_by_span": by_span, "retrieval_mean": mean_retrieval_rate(by_span),
+            "retrieval_overall": float(ok.float().mean())}
 
 
 def _empty_result(bins, threshold, settings, criterion, n_distractors) -> dict[str, Any]:
@@ -497,7 +348,7 @@ def _calibrate_on_ground_truth(real, poses, probes, pos_tol, heading_tol, window
             continue
         true_a.append(real[e, [pr.t for pr in mine]])
         true_b.append(real[e, [pr.s for pr in mine]])
-        rp = _random_pairs(pose_match_matrix(poses[e], pos_tol, heading_tol), mine, window_reach,
+        rp = random_pairs(pose_match_matrix(poses[e], pos_tol, heading_tol), mine, window_reach,
                            n_random_per_probe, g)
         if rp:
             rand_a.append(real[e, [t for t, _ in rp]])

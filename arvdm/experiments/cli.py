@@ -16,14 +16,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from arvdm.errors import USER_ERRORS
+from arvdm.experiments.grid import GridError, available_grids, load_grid
+from arvdm.experiments.report import write_report
+from arvdm.experiments.runner import run_grid
 from arvdm.runtime import setup_environment
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from arvdm.experiments.grid import available_grids
-
     p = argparse.ArgumentParser(prog="python -m arvdm.experiments", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[1:6]))
@@ -47,10 +49,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> dict | None:
-    from arvdm.experiments.grid import GridError, load_grid
-    from arvdm.experiments.report import write_report
-    from arvdm.experiments.runner import run_grid
-
     grid = load_grid(args.grid) if args.grid else None
     if args.out is None and grid is None:
         raise GridError("report: give --out (the grid's output folder) or --grid")
@@ -65,9 +63,7 @@ def _run(args: argparse.Namespace) -> dict | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    setup_environment()
-    from arvdm.errors import USER_ERRORS
-
+    setup_environment()  # for a caller of main(); `python -m arvdm.experiments` set it before torch loaded
     args = _parser().parse_args(argv)
     try:
         result = _run(args)

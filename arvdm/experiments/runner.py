@@ -25,10 +25,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from arvdm.config import Config
-from arvdm.experiments.grid import Cell, Grid, GridError, select_cells
+from arvdm.config import Config, SampleSettings
+from arvdm.experiments.cells import Cell, Grid, GridError, select_cells
 from arvdm.experiments.report import write_report
 from arvdm.model.checkpoint import checkpoint_step, latest_checkpoint, load_config
+from arvdm.sampling import sample_run
+from arvdm.training.trainer import train
 from data.atomic import atomic_write_text
 
 __all__ = ["REPORT_REFRESH_S", "run_grid", "run_status"]
@@ -61,20 +63,11 @@ def run_status(run_dir: str | os.PathLike, cfg: Config) -> tuple[str, int]:
 
 def _default_train(cfg: Config, run_dir: Path, resume: bool, device: str | None) -> None:
     """Train through the library (generating the stand-in data set first when it is absent)."""
-    from arvdm.training.trainer import train
-
     train(cfg, run_dir, resume=resume, generate_data=True, device=device)
 
 
-def _default_sample(run_dir: Path, out_dir: Path, settings: Any) -> Any:
-    from arvdm.sampling import sample_run
-
-    return sample_run(run_dir, out_dir, settings)
-
-
-def _settings(cell: Cell, device: str | None) -> Any:
-    from arvdm.config import SampleSettings
-
+def _settings(cell: Cell, device: str | None) -> SampleSettings:
+    """The cell's sampling settings, evaluated and quiet (the grid has its own progress bar)."""
     kw = dict(cell.sample)
     if device:
         kw["device"] = device
@@ -198,7 +191,7 @@ def run_grid(
     cells = select_cells(grid, only)
     done = {c.name for c in cells if (out / "cells" / c.name / "eval.json").is_file()}
     job = _Job(grid, out, cells, done, device, fail_fast, train_fn or _default_train,
-               sample_fn or _default_sample, log or tqdm.write)
+               sample_fn or sample_run, log or tqdm.write)
     # Before anything runs: the state of every training run a pending cell needs (a run folder holding
     # another configuration is an error now, not after an hour of other cells).
     needed = list(dict.fromkeys(c.train_run for c in cells if c.name not in done))
