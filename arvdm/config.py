@@ -31,6 +31,10 @@ class SamplingError(ArvdmError):
 
 
 SCHEDULE_PRESETS = ("chunked", "fifo", "pyramid")  # names arvdm.schedules.get_schedule builds
+MEMORY_STRUCTURES = ("prepend", "channel_concat", "cross_attention")  # how the past reaches the network
+PREPEND, CHANNEL_CONCAT, CROSS_ATTENTION = MEMORY_STRUCTURES
+TEMPORAL_ATTENTION_FORMS = ("factorized", "full")  # per spatial position | all tokens of all frames
+FACTORIZED, FULL = TEMPORAL_ATTENTION_FORMS
 FROZEN_DRAFT = "frozen"  # speculation's default draft: the target with frozen v (arvdm.speculative.rows)
 
 
@@ -52,8 +56,8 @@ class DiffusionConfig:
     num_levels: int = 1000  # K; level k >= 1 is diffusers timestep k - 1
     beta_schedule: str = "squaredcos_cap_v2"  # any diffusers beta_schedule: linear, scaled_linear, sigmoid, ...
     prediction_type: str = "v_prediction"
-    # sampling's default (sample.py --eta, the training sample videos): 0 = DDIM, 1 = DDPM-like; 1 measured
-    # sharper and better over the first frames on the tiny model (benchmarks/RESULTS.md)
+    # DDIM eta when sampling (sample.py --eta, the training sample videos): 0 = DDIM (deterministic),
+    # 1 = DDPM-like (fresh noise at every step); the default is the one benchmarks/RESULTS.md compares against
     eta: float = 1.0
 
     def validate(self) -> None:
@@ -82,7 +86,7 @@ class ModelConfig:
     # the transformer blocks run on patches of the last level. [] = a plain patch DiT on pixels.
     unet_channels: list = field(default_factory=list)
     frames_per_chunk: int = 1  # c: frames that see each other; serves schedules whose delta is a multiple of c
-    temporal_attention: str = "factorized"  # "factorized" (per spatial position) or "full" (all tokens)
+    temporal_attention: str = FACTORIZED  # one of TEMPORAL_ATTENTION_FORMS
 
     @property
     def token_grid(self) -> int:
@@ -99,10 +103,13 @@ class ModelConfig:
                + (f" x 2**(levels-1) = {step} (model.unet_channels={self.unet_channels})"
                   if len(self.unet_channels) > 1 else ""))
         _check(self.dim % self.heads == 0, "model.dim", self.dim, f"must be divisible by model.heads={self.heads}")
+        _check((self.dim // self.heads) % 2 == 0, "model.dim", self.dim,
+               f"/ model.heads={self.heads} = {self.dim // self.heads} channels per head must be even "
+               "(temporal RoPE rotates pairs of channels)")
         _check(self.depth >= 1, "model.depth", self.depth, "must be >= 1")
         _check(self.num_actions >= 1, "model.num_actions", self.num_actions, "must be >= 1")
         _check(self.frames_per_chunk >= 1, "model.frames_per_chunk", self.frames_per_chunk, "must be >= 1")
-        _check(self.temporal_attention in ("factorized", "full"), "model.temporal_attention",
+        _check(self.temporal_attention in TEMPORAL_ATTENTION_FORMS, "model.temporal_attention",
                self.temporal_attention, "must be 'factorized' or 'full'")
         patch_values = self.patch_size ** 2 * self.channels
         if self.dim < patch_values and not self.unet_channels:
@@ -115,7 +122,7 @@ class ModelConfig:
 class MemoryConfig:
     """How the past reaches the network (paper: prepend / channel concat / cross-attention)."""
 
-    structure: str = "prepend"  # prepend | channel_concat | cross_attention
+    structure: str = PREPEND  # one of MEMORY_STRUCTURES
     length: int = 8  # m: past frames the bank keeps (under `retention`)
     compressor: str = "none"  # none | joint | modulated
     budget: int = 0  # B latent frames after compression; 0 = no compression (B = m)
@@ -124,9 +131,12 @@ class MemoryConfig:
     recent: int = 0  # r, for sink_recent
 
     def validate(self) -> None:
-        _check(self.structure in ("prepend", "channel_concat", "cross_attention"), "memory.structure",
+        _check(self.structure in MEMORY_STRUCTURES, "memory.structure",
                self.structure, "must be prepend, channel_concat or cross_attention")
         _check(self.length >= 0, "memory.length", self.length, "must be >= 0")
+        _check(self.length >= 1 or self.structure == PREPEND, "memory.length", self.length,
+               f"must be >= 1 with memory.structure={self.structure} (with 0 memory frames the memory layers "
+               "would have nothing to read)")
         _check(self.compressor in ("none", "joint", "modulated"), "memory.compressor", self.compressor,
                "must be none, joint or modulated")
         _check(self.retention in ("all", "last", "sink_recent"), "memory.retention", self.retention,
@@ -141,6 +151,10 @@ class MemoryConfig:
             _check(self.sink >= 0 and self.recent >= 1 and self.sink + self.recent <= max(self.length, 1),
                    "memory.sink/recent", (self.sink, self.recent),
                    f"need sink >= 0, recent >= 1 and sink + recent <= memory.length={self.length}")
+        _check(not (self.structure == CHANNEL_CONCAT and self.compressor == "none" and self.retention == "all"),
+               "memory.retention", self.retention,
+               "is unbounded, but memory.structure=channel_concat with memory.compressor=none has a fixed number "
+               "of slots (memory.length): use last or sink_recent, or a compressor")
 
 
 @dataclass
@@ -348,8 +362,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The README's main job on a laptop CPU (data, training and a rollout; timings in benchmarks/RESULTS.md):
     # Memory Maze at 32x32 from 48 generated mazes, a small conv U-Net (32 channels at 32 px, 64 at 16 px)
     # around 2 transformer blocks on 8x8 tokens, where the temporal attention, the memory and the KV caches
-    # live; 4 memory + 4 window frames; lr 2e-3 with min-SNR-5 weighting (what made the model beat
-    # copy-last; see RESULTS.md for each change in dB).
+    # live; 4 memory + 4 window frames; lr 2e-3 with min-SNR-5 loss weighting (each setting's effect is
+    # measured in benchmarks/RESULTS.md).
     "tiny": {
         "model.image_size": 32, "model.unet_channels": [32, 64], "model.patch_size": 2, "model.dim": 128,
         "model.depth": 2, "model.heads": 4,

@@ -20,7 +20,7 @@ from arvdm.config import DiffusionConfig, apply_overrides, get_preset
 from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
-from arvdm.schedules.matrix import chunked, fifo
+from arvdm.schedules import chunked, fifo
 from kernels import chunked_attention
 from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy
 

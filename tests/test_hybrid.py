@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
+import arvdm.hybrid as H
 import kernels
 from arvdm.config import Config, ConfigError, DiffusionConfig, HybridConfig, apply_overrides
-from arvdm.hybrid import convert as H
 from arvdm.hybrid import report as HR
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
-from arvdm.schedules.matrix import chunked
+from arvdm.schedules import chunked
 from memory import MemoryFrames
 
 K = 100
@@ -141,7 +141,7 @@ def test_temporal_layers_are_the_blocks_and_generic_fallback():
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.streaming, self.attention_probe = None, None
+            self.retention, self.lse_observers = None, []
 
     other = torch.nn.Sequential(torch.nn.Linear(2, 2), Layer(), Layer())
     assert H.temporal_layers(other) == [other[1], other[2]]
@@ -204,10 +204,10 @@ def test_conversion_leaves_full_layers_alone_and_cutting_streaming_caches_is_los
     cos, sin = model.rope(torch.arange(12, 15))
     outs_full = [layer(x, cos, sin, past=cache)[0] for layer, cache in zip(layers, state.caches)]
     for layer in layers:  # the streaming mask alone, on the full (uncut) cache
-        layer.streaming = (2, 3)
+        layer.retention = H.streaming_policy(2, 3)
     outs_mask = [layer(x, cos, sin, past=cache)[0] for layer, cache in zip(layers, state.caches)]
 
-    H.convert(layers, [1, 3], sink=2, recent=3, caches=state.caches, n_committed=state.n_committed)
+    H.convert_layers(layers, [1, 3], sink=2, recent=3, caches=state.caches, n_committed=state.n_committed)
     assert [layer.streaming for layer in layers] == [None, (2, 3), None, (2, 3)]
     for i in (0, 2):  # full layers: the same cache and the same output on the same inputs
         assert state.caches[i].frame_ids == list(range(12))
@@ -235,6 +235,26 @@ def test_streaming_caches_stay_bounded_through_a_300_frame_rollout():
     assert max(s[1] for s in sizes) == 5  # sink 2 + recent 3, from the context on
     assert sizes[-1][0] == 4 + 296  # the full layer remembers everything (retention all)
     assert hm.last_state.caches[1].frame_ids == [0, 1, 297, 298, 299]
+
+
+def test_compiled_hybrid_model_matches_eager(monkeypatch):
+    """sample.py --hybrid F --compile: torch.compile takes a HybridModel (an nn.Module around the denoiser);
+    aot_eager traces the same graphs as inductor without its slow C++ code generation on a CPU."""
+    import functools
+
+    from arvdm.sampling import compile_for_sampling
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    model = tiny_model(depth=2)
+    h = HybridConfig(fraction=0.5, select="online", sink=1, recent=2)
+    eager_hm = H.HybridModel(model, h)
+    eager = _go(eager_hm)
+    compiled_hm = compile_for_sampling(H.HybridModel(model, h))
+    assert isinstance(compiled_hm, torch.nn.Module) and isinstance(compiled_hm._orig_mod, H.HybridModel)
+    compiled = _go(compiled_hm)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    assert compiled_hm.selections[0]["layers"] == eager_hm.selections[0]["layers"] != []
 
 
 def test_online_falls_back_to_offline_for_a_short_context(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from arvdm.config import apply_overrides, get_preset
-from arvdm.model.denoiser import CheckpointError, Denoiser, DenoiserError
+from arvdm.model import CheckpointError, Denoiser, DenoiserError
 from memory import MemoryFrames
 
 B, C, S, A = 2, 3, 16, 4  # batch, channels, image size, actions

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from arvdm.schedules.matrix import (
+from arvdm.schedules import (
     ARSchedule,
     ScheduleError,
     chunked,

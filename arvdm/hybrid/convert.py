@@ -1,177 +1,52 @@
 """Hybrid attention (LightTransfer, arXiv 2410.13846) for the temporal attention of a video model.
 
 Some temporal-attention layers are "lazy": their queries put almost all their attention on the first
-(sink) frames and the most recent ones. Those layers become streaming layers (sink + recent frames, their
-KV caches cut at once and bounded from then on); the others keep the full memory.
+(sink) frames and the most recent ones (arvdm.hybrid.lazy measures that). Those layers become streaming
+layers (sink + recent frames, their KV caches cut at once and bounded from then on); the others keep the
+full memory.
 
     python -m arvdm.hybrid calibrate --run RUN      # offline lazy ratios -> RUN/lazy_ratios.json
     python -m arvdm.hybrid report --run RUN         # heat map + fraction x selection table, plots
     python sample.py --run RUN --hybrid 0.5         # roll out with half of the layers streaming
 
-This module is the model side (measure, select, convert, wrap for sampling/training); calibration, the
-report and the CLI are in arvdm.hybrid.report.
+This module converts layers and wraps a model for sampling (:class:`HybridModel`) and fine-tuning
+(:func:`apply_for_training`); calibration, the report and the CLI are in arvdm.hybrid.report.
+A layer is switched through its generic seam (arvdm.model.layers.TemporalAttention): its ``retention``
+policy says which key frames its queries read, and its KV cache gets the same policy.
 
-Library use (generic: any model whose temporal layers expose ``streaming`` and ``attention_probe``)::
-
-    layers = temporal_layers(model)
-    with measuring(layers, sink=2, recent=4, last_frames=2) as meters:
-        model.commit(state, context, context_actions)          # the prefill analogue: online ratios
-    chosen = select_layers([m.ratio for m in meters], fraction=0.5)
-    convert(layers, chosen, sink=2, recent=4, caches=state.caches, n_committed=state.n_committed)
-
-A layer qualifies when it has ``streaming`` (None or ``(sink, recent)``) and ``attention_probe`` (None or a
-callable ``probe(q, k, lse, *, streaming, tokens_per_frame, frames_per_chunk, q_frame_offset)`` that the
-layer calls after each attention kernel call with that call's log-sum-exp).
+    convert_layers(layers, chosen, sink=2, recent=4, caches=state.caches, n_committed=state.n_committed)
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import heapq
-import json
 import math
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-import kernels
-from arvdm.config import Config, HybridConfig
-from arvdm.errors import ArvdmError
+from arvdm.config import Config, ConfigError, HybridConfig
+from arvdm.hybrid.lazy import (
+    HybridError,
+    check_layers,
+    load_lazy_ratios,
+    measuring,
+    ratios_path,
+    resolve_layers,
+    select_layers,
+    temporal_layers,
+)
 from memory import RetentionPolicy
 
-__all__ = [
-    "HybridError",
-    "HybridModel",
-    "LazyRatioMeter",
-    "RATIOS_NAME",
-    "apply_for_training",
-    "convert",
-    "layer_policies",
-    "load_lazy_ratios",
-    "measuring",
-    "num_streaming",
-    "resolve_layers",
-    "select_layers",
-    "temporal_layers",
-]
-
-RATIOS_NAME = "lazy_ratios.json"
-
-
-class HybridError(ArvdmError):
-    """A hybrid-attention setting cannot be served (no ratios, too short a context, a bad layer index...)."""
-
-
-# ------------------------------------------------------------------------------------------------
-# layers and measurement
-# ------------------------------------------------------------------------------------------------
-
-
-def _is_switchable(module: Any) -> bool:
-    return hasattr(module, "streaming") and hasattr(module, "attention_probe")
-
-
-def temporal_layers(model: Any) -> list[Any]:
-    """The model's temporal-attention layers, in depth order.
-
-    ``model.blocks[i].temporal`` when the model has it (the denoiser); otherwise every submodule that has
-    both ``streaming`` and ``attention_probe``, in ``named_modules`` order.
-    """
-    blocks = getattr(model, "blocks", None)
-    if blocks is not None and all(_is_switchable(getattr(b, "temporal", None)) for b in blocks):
-        return [b.temporal for b in blocks]
-    found = [m for _, m in model.named_modules() if _is_switchable(m)] if hasattr(model, "named_modules") else []
-    if not found:
-        raise HybridError(f"{type(model).__name__} has no temporal-attention layer with `streaming` and "
-                          "`attention_probe` attributes: hybrid attention cannot switch any layer")
-    return found
-
-
-@dataclass
-class LazyRatioMeter:
-    """An ``attention_probe`` that accumulates one layer's lazy ratio (LightTransfer, Eq. 1).
-
-    For each full-attention call it takes the kept mass ``exp(lse_streaming - lse_full)`` of the query tokens
-    of the call's last ``last_frames`` frames (reusing the call's own ``lse`` as ``lse_full``: one extra
-    log-sum-exp per layer, no extra pass) and keeps its sum and count per call in ``calls``. Calls made
-    while the layer already streams are skipped (their lse is not the full one).
-    """
-
-    sink: int
-    recent: int
-    last_frames: int
-    calls: list[tuple[float, int]] = field(default_factory=list)
-
-    @torch.no_grad()
-    def __call__(self, q, k, lse, *, streaming, tokens_per_frame, frames_per_chunk, q_frame_offset):
-        if streaming is not None:
-            return
-        kept = kernels.kept_attention_mass(
-            q.detach(), k.detach(), tokens_per_frame=tokens_per_frame, frames_per_chunk=frames_per_chunk,
-            q_frame_offset=q_frame_offset, sink_frames=self.sink, recent_frames=self.recent,
-            lse_full=lse.detach())  # (B', H, Lq)
-        n_frames = q.shape[2] // tokens_per_frame
-        take = min(self.last_frames, n_frames)
-        last = kept[:, :, (n_frames - take) * tokens_per_frame:]  # (B', H, take * tpf)
-        self.calls.append((float(last.double().sum()), last.numel()))
-
-    @property
-    def ratio(self) -> float:
-        """Mean kept mass over every measured query (NaN when nothing was measured)."""
-        total, count = sum(c[0] for c in self.calls), sum(c[1] for c in self.calls)
-        return total / count if count else float("nan")
-
-    def last_call_ratio(self) -> float:
-        total, count = self.calls[-1] if self.calls else (0.0, 0)
-        return total / count if count else float("nan")
-
-
-@contextlib.contextmanager
-def measuring(layers: Sequence[Any], *, sink: int, recent: int, last_frames: int) -> Iterator[list[LazyRatioMeter]]:
-    """Install a :class:`LazyRatioMeter` as every layer's ``attention_probe`` for the ``with`` body."""
-    previous = [layer.attention_probe for layer in layers]
-    meters = [LazyRatioMeter(sink, recent, last_frames) for _ in layers]
-    try:
-        for layer, meter in zip(layers, meters):
-            layer.attention_probe = meter
-        yield meters
-    finally:
-        for layer, probe in zip(layers, previous):
-            layer.attention_probe = probe
-
-
-# ------------------------------------------------------------------------------------------------
-# selection and conversion
-# ------------------------------------------------------------------------------------------------
-
-
-def num_streaming(n_layers: int, fraction: float) -> int:
-    """How many of ``n_layers`` layers a ``fraction`` makes streaming (rounded half up)."""
-    if not 0.0 <= fraction <= 1.0:
-        raise HybridError(f"hybrid.fraction must be in [0, 1], got {fraction}")
-    return min(n_layers, int(math.floor(fraction * n_layers + 0.5)))
-
-
-def select_layers(ratios: Sequence[float], fraction: float) -> list[int]:
-    """The layers with the highest lazy ratios, ``num_streaming(len(ratios), fraction)`` of them, ascending.
-
-    LightTransfer's priority queue over layers: push (-ratio, index) and pop the top; the result equals
-    sorting by ratio, high first, ties broken by the lower layer index. NaN ratios (never measured) rank last.
-    """
-    k = num_streaming(len(ratios), fraction)
-    heap = [(-(r if math.isfinite(r) else -math.inf), i) for i, r in enumerate(ratios)]
-    heapq.heapify(heap)
-    return sorted(heapq.heappop(heap)[1] for _ in range(k))
+__all__ = ["HybridModel", "apply_for_training", "convert_layers", "describe", "layer_policies", "streaming_policy",
+           "wrap_for_sampling"]
 
 
 def streaming_policy(sink: int, recent: int) -> RetentionPolicy:
-    """The cache policy of a streaming layer: the first ``sink`` frames + the last ``recent``."""
+    """The key frames of a streaming layer (and what its cache keeps): the first ``sink`` + the last ``recent``."""
     return RetentionPolicy("sink_recent", sink=sink, recent=recent)
 
 
@@ -181,7 +56,7 @@ def layer_policies(base: RetentionPolicy, n_layers: int, chosen: Sequence[int], 
     return [streaming_policy(sink, recent) if i in set(chosen) else base for i in range(n_layers)]
 
 
-def convert(layers: Sequence[Any], chosen: Sequence[int], *, sink: int, recent: int,
+def convert_layers(layers: Sequence[Any], chosen: Sequence[int], *, sink: int, recent: int,
             caches: Sequence[Any] | None = None, n_committed: int | None = None) -> None:
     """Make ``chosen`` layers streaming (sink + recent) and the others full; cut the chosen caches at once.
 
@@ -189,9 +64,9 @@ def convert(layers: Sequence[Any], chosen: Sequence[int], *, sink: int, recent: 
     sink + recent policy and drop what it does not keep now (``n_committed`` frames committed so far); the
     other caches are left exactly as they are.
     """
-    chosen = set(_check_layers(chosen, len(layers)))
+    chosen = set(check_layers(chosen, len(layers)))
     for i, layer in enumerate(layers):
-        layer.streaming = (sink, recent) if i in chosen else None
+        layer.retention = streaming_policy(sink, recent) if i in chosen else None
     if caches:
         if len(caches) != len(layers):
             raise HybridError(f"{len(caches)} caches for {len(layers)} temporal layers")
@@ -200,66 +75,7 @@ def convert(layers: Sequence[Any], chosen: Sequence[int], *, sink: int, recent: 
             caches[i].evict(n_committed)
 
 
-def _check_layers(chosen: Sequence[int], n_layers: int) -> list[int]:
-    bad = [i for i in chosen if not 0 <= int(i) < n_layers]
-    if bad:
-        raise HybridError(f"hybrid.layers {list(chosen)}: {bad} out of range; the model has {n_layers} temporal "
-                          f"layers (0..{n_layers - 1})")
-    return [int(i) for i in chosen]
-
-
-# ------------------------------------------------------------------------------------------------
-# lazy_ratios.json
-# ------------------------------------------------------------------------------------------------
-
-
-def load_lazy_ratios(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a ``lazy_ratios.json`` (from ``python -m arvdm.hybrid calibrate``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise HybridError(f"{path}: no lazy ratios; run `python -m arvdm.hybrid calibrate --run RUN` first")
-    try:
-        data = json.loads(path.read_text())
-        ratios = [float(x) for x in data["ratios"]]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise HybridError(f"{path}: not a lazy_ratios.json ({e})") from e
-    data["ratios"] = ratios
-    return data
-
-
-def ratios_path(hybrid: HybridConfig, run_dir: str | os.PathLike | None) -> Path | None:
-    if hybrid.ratios:
-        return Path(hybrid.ratios)
-    return None if run_dir is None else _run_root(Path(run_dir)) / RATIOS_NAME
-
-
-def _run_root(path: Path) -> Path:
-    """A run folder from a run folder or one of its checkpoint folders."""
-    return path.parent.parent if path.parent.name == "checkpoints" else path
-
-
-def resolve_layers(hybrid: HybridConfig, n_layers: int,
-                   offline: dict[str, Any] | None) -> tuple[list[int], list[float]]:
-    """Streaming layers and their ratios for ``select=offline|fixed`` (online selects during the rollout)."""
-    if hybrid.select == "fixed":
-        chosen = _check_layers(hybrid.layers, n_layers)
-        ratios = offline["ratios"] if offline else [float("nan")] * n_layers
-        return sorted(chosen), ratios
-    if offline is None:
-        raise HybridError("hybrid.select=offline needs lazy ratios (hybrid.ratios=PATH or RUN/lazy_ratios.json "
-                          "from `python -m arvdm.hybrid calibrate --run RUN`)")
-    ratios = offline["ratios"]
-    if len(ratios) != n_layers:
-        raise HybridError(f"lazy ratios for {len(ratios)} layers, the model has {n_layers} temporal layers")
-    return select_layers(ratios, hybrid.fraction), ratios
-
-
-# ------------------------------------------------------------------------------------------------
-# a rollout-ready hybrid model
-# ------------------------------------------------------------------------------------------------
-
-
-class HybridModel:
+class HybridModel(torch.nn.Module):
     """A denoiser whose lazy temporal layers stream; drop-in for :func:`arvdm.pipeline.rollout`.
 
     ``select=online``: every rollout's first commit (the context) runs with all layers full and meters on
@@ -267,9 +83,13 @@ class HybridModel:
     once. A context of at most ``sink + recent`` frames drops no key (every ratio would be 1), so it falls
     back to the offline ratios. ``offline`` / ``fixed``: the layers are chosen up front and stream from the
     start (their caches never grow past ``sink + recent``). ``selections`` records every rollout's choice.
+
+    An ``nn.Module`` holding the model as ``self.model``, so ``torch.compile`` takes it (sample.py
+    ``--compile``): the compiled forward is this one, ``init_state`` / ``commit`` stay eager.
     """
 
     def __init__(self, model: Any, hybrid: HybridConfig, offline: dict[str, Any] | None = None):
+        super().__init__()
         hybrid.validate()
         self.model, self.hybrid, self.offline = model, hybrid, offline
         self.layers = temporal_layers(model)
@@ -295,16 +115,17 @@ class HybridModel:
         self._activate()
 
     def _activate(self) -> None:
-        """Set the layers' switches to this wrapper's choice (several wrappers may share one model)."""
+        """Set the layers' key rules to this wrapper's choice (several wrappers may share one model)."""
+        stream = streaming_policy(self.hybrid.sink, self.hybrid.recent)
         for i, layer in enumerate(self.layers):
-            want = (self.hybrid.sink, self.hybrid.recent) if i in self.streaming_layers else None
-            if layer.streaming != want:
-                layer.streaming = want
+            want = stream if i in self.streaming_layers else None
+            if layer.retention != want:
+                layer.retention = want
 
     def check_schedule(self, *args, **kwargs):
         return self.model.check_schedule(*args, **kwargs)
 
-    def __call__(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         self._activate()
         return self.model(*args, **kwargs)
 
@@ -344,7 +165,7 @@ class HybridModel:
                                   "offline lazy ratios to fall back to (run `python -m arvdm.hybrid calibrate`)")
             chosen, ratios = resolve_layers(dataclasses.replace(h, select="offline"), len(self.layers), self.offline)
             source = "offline (context too short)"
-        convert(self.layers, chosen, sink=h.sink, recent=h.recent, caches=state.caches,
+        convert_layers(self.layers, chosen, sink=h.sink, recent=h.recent, caches=state.caches,
                 n_committed=state.n_committed)
         self.streaming_layers = list(chosen)
         self._record(chosen, ratios, source)
@@ -362,7 +183,7 @@ class HybridModel:
     def restore(self) -> None:
         """Every layer back to full attention."""
         self.streaming_layers = []
-        convert(self.layers, [], sink=self.hybrid.sink, recent=self.hybrid.recent)
+        convert_layers(self.layers, [], sink=self.hybrid.sink, recent=self.hybrid.recent)
 
 
 def describe(summary: dict[str, Any]) -> str:
@@ -391,7 +212,7 @@ def apply_for_training(model: Any, cfg: Config, run_dir: str | os.PathLike | Non
     path = ratios_path(h, run_dir) if h.select == "offline" else None
     offline = load_lazy_ratios(path) if path is not None else None
     chosen, _ = resolve_layers(h, len(layers), offline)
-    convert(layers, chosen, sink=h.sink, recent=h.recent)
+    convert_layers(layers, chosen, sink=h.sink, recent=h.recent)
     for c in (cfg, getattr(model, "cfg", None)):
         if c is not None:
             c.hybrid.select, c.hybrid.layers = "fixed", list(chosen)
@@ -407,7 +228,7 @@ def wrap_for_sampling(model: Any, cfg: Config, run_dir: str | os.PathLike, overr
         setattr(h, key, value)
     try:
         h.validate()
-    except ValueError as e:
+    except ConfigError as e:
         raise HybridError(str(e)) from e
     if not h.active:
         return model, h

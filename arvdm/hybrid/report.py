@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import csv
 import dataclasses
 import json
 import os
@@ -23,14 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from arvdm.config import Config, HybridConfig
-from arvdm.hybrid.convert import (
+from arvdm.config import Config, ConfigError, HybridConfig, apply_overrides, parse_device
+from arvdm.errors import USER_ERRORS
+from arvdm.evaluation.evaluate import evaluate_rollout
+from arvdm.evaluation.pareto import plot_pareto
+from arvdm.evaluation.tables import write_results_table
+from arvdm.hybrid.convert import HybridModel, convert_layers
+from arvdm.hybrid.lazy import (
     RATIOS_NAME,
     HybridError,
-    HybridModel,
-    _run_root,
-    convert,
     load_lazy_ratios,
     measuring,
     num_streaming,
@@ -38,10 +42,18 @@ from arvdm.hybrid.convert import (
     select_layers,
     temporal_layers,
 )
+from arvdm.model.checkpoint import run_folder
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
+from arvdm.schedules.matrix import get_schedule
 from data.atomic import atomic_write_text
+from memory import MemoryFrames
 
-__all__ = ["calibrate", "main", "plot_heatmap", "plot_tradeoff", "run_calibration", "run_report",
+__all__ = ["calibrate", "hybrid_settings", "main", "plot_heatmap", "plot_tradeoff", "run_calibration", "run_report",
            "selection_strategies"]
+
+PLOT_DPI = 120
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,10 +71,6 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
     ``hybrid.last_frames`` frames. Returns the lazy_ratios.json content: per layer the mean and standard
     deviation over (clip, level) pairs and the mean per level.
     """
-    from tqdm.auto import tqdm
-
-    from memory import MemoryFrames
-
     layers = temporal_layers(model)
     n, t = clips.shape[:2]
     w = t - memory
@@ -72,8 +80,8 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
         raise HybridError(f"calibration sees {memory} memory + {w} window frames: with hybrid.last_frames="
                           f"{hybrid.last_frames} no query reaches past sink + recent = "
                           f"{hybrid.sink + hybrid.recent} frames, so every ratio would be 1; use more --memory")
-    was_streaming = [layer.streaming for layer in layers]
-    convert(layers, [], sink=hybrid.sink, recent=hybrid.recent)
+    was_retention = [layer.retention for layer in layers]
+    convert_layers(layers, [], sink=hybrid.sink, recent=hybrid.recent)
     gen = torch.Generator().manual_seed(seed)
     per = torch.full((len(layers), len(levels), n), float("nan"), dtype=torch.float64)  # (L, levels, clips)
     try:
@@ -93,8 +101,8 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
                     bar.update()
         bar.close()
     finally:
-        for layer, s in zip(layers, was_streaming):
-            layer.streaming = s
+        for layer, retention in zip(layers, was_retention):
+            layer.retention = retention
     flat = per.reshape(len(layers), -1)  # (L, levels * clips)
     return {
         "format": "arvdm-lazy-ratios/1",
@@ -108,20 +116,15 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
 
 
 def _load_run(run: str, device: str, use_ema: bool = True):
-    from arvdm.model.diffusion import PerFrameDiffusion
-    from arvdm.pipeline.runs import load_for_inference
-
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
-                       else ("cpu" if device == "auto" else device))
+    dev = parse_device(device)
     model, cfg = load_for_inference(run, use_ema=use_ema, device=dev)
     return model, cfg, PerFrameDiffusion(cfg.diffusion), dev
 
 
-def _hybrid_from_args(cfg: Config, args) -> HybridConfig:
-    from arvdm.config import ConfigError, apply_overrides
-
+def hybrid_settings(cfg: Config, overrides: Sequence[str] = ()) -> HybridConfig:
+    """A copy of the run's ``cfg.hybrid`` with ``hybrid.KEY=VALUE`` overrides (the CLI's ``--set``), checked."""
     c = copy.deepcopy(cfg)
-    sets = list(args.overrides or [])
+    sets = list(overrides or [])
     bad = [s for s in sets if not s.strip().startswith("hybrid.")]
     if bad:
         raise HybridError(f"--set takes hybrid.* keys only here, got {bad}")
@@ -137,10 +140,8 @@ def run_calibration(run: str, *, clips: int = 4, memory: int | None = None, leve
                     overrides: Sequence[str] = (), device: str = "auto", out: str | None = None,
                     progress: bool = True) -> Path:
     """Calibrate a run's model on validation clips and write ``lazy_ratios.json`` (atomically)."""
-    from arvdm.pipeline.runs import load_validation_episodes
-
     model, cfg, diffusion, dev = _load_run(run, device)
-    h = _hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
+    h = hybrid_settings(cfg, overrides)
     m = cfg.memory.length if memory is None else memory
     video, actions, _ = load_validation_episodes(data or cfg.data.path, cfg, clips, m, cfg.train.window)
     K = cfg.diffusion.num_levels
@@ -148,7 +149,7 @@ def run_calibration(run: str, *, clips: int = 4, memory: int | None = None, leve
     result = calibrate(model, diffusion, video.to(dev), actions.to(dev), memory=m, levels=lv, hybrid=h,
                        progress=progress)
     result["run"] = str(run)
-    path = Path(out) if out else _run_root(Path(run)) / RATIOS_NAME
+    path = Path(out) if out else run_folder(run) / RATIOS_NAME
     return atomic_write_text(path, json.dumps(result, indent=2))
 
 
@@ -159,7 +160,7 @@ def run_calibration(run: str, *, clips: int = 4, memory: int | None = None, leve
 
 def plot_heatmap(ratios: dict[str, Any], path: str | os.PathLike) -> Path:
     """Heat map of lazy ratios, layers (rows) x denoising levels (columns)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is slow to import and only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -168,7 +169,7 @@ def plot_heatmap(ratios: dict[str, Any], path: str | os.PathLike) -> Path:
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(ratios["levels"]), 1.2 + 0.5 * len(grid)))
     im = ax.imshow(grid, vmin=min(min(r) for r in grid), vmax=1.0, cmap="viridis", aspect="auto")
     for i, row in enumerate(grid):
-        for j, v in enumerate(row):
+        for j, v in enumerate(row):  # white numbers on the darker half of the row's colour range
             ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="w" if v < 0.5 * (1 + min(row)) else "k",
                     fontsize=8)
     ax.set_xticks(range(len(ratios["levels"])), [str(v) for v in ratios["levels"]])
@@ -177,7 +178,7 @@ def plot_heatmap(ratios: dict[str, Any], path: str | os.PathLike) -> Path:
     ax.set_title(f"lazy ratio (kept mass, sink {ratios['sink']} + recent {ratios['recent']} frames)")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
     return Path(path)
 
@@ -201,14 +202,11 @@ def _report_configs(ratios: Sequence[float], fractions: Sequence[float], seed: i
 
 
 def _measure(hm: HybridModel, diffusion: Any, sched: Any, real: torch.Tensor, actions: torch.Tensor, poses: Any,
-             ctx: int, frames: int, seed: int, window: int) -> tuple[dict[str, Any], dict[str, Any]]:
+             ctx: int, frames: int, seed: int, window: int, eta: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """Roll out one configuration: (its table row without names, eval.json-style result)."""
-    from arvdm.evaluation.evaluate import evaluate_rollout
-    from arvdm.pipeline.rollout import rollout
-
     dev = actions.device
     t0 = time.perf_counter()
-    fake = rollout(hm, diffusion, sched, real[:, :ctx].to(dev), actions[:, :ctx], actions[:, ctx:], frames,
+    fake = rollout(hm, diffusion, sched, real[:, :ctx].to(dev), actions[:, :ctx], actions[:, ctx:], frames, eta=eta,
                    generator=torch.Generator().manual_seed(seed), progress=False).float().cpu()
     seconds = time.perf_counter() - t0
     ev = evaluate_rollout(fake, real, poses, ctx, window_reach=window)
@@ -251,16 +249,11 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
 
     ``memory`` (default: the run's) makes the full layers and the bank keep the last ``memory`` frames.
     ``pareto_with``: an ``arvdm.experiments`` output folder (or its pareto.csv) whose points join the
-    hybrid points on one Pareto plot.
+    hybrid points on one Pareto plot. Rollouts sample with the run's ``diffusion.eta``.
     """
-    from arvdm.experiments.report import plot_pareto, write_results_table
-    from arvdm.pipeline.rollout import rollout
-    from arvdm.pipeline.runs import load_validation_episodes
-    from arvdm.schedules.matrix import get_schedule
-
     model, cfg, diffusion, dev = _load_run(run, device)
-    h = _hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
-    out_dir = Path(out) if out else _run_root(Path(run)) / "hybrid"
+    h = hybrid_settings(cfg, overrides)
+    out_dir = Path(out) if out else run_folder(run) / "hybrid"
     out_dir.mkdir(parents=True, exist_ok=True)
     if memory is not None:
         for m in (model.cfg.memory, cfg.memory):
@@ -271,14 +264,16 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
     sched = get_schedule(schedule, cfg.train.window, cfg.diffusion.num_levels, steps)
     ctx = context if context is not None else cfg.default_context()
     real, actions, poses = load_validation_episodes(data or cfg.data.path, cfg, episodes, ctx, frames)
-    actions = actions.to(dev)
-    # one untimed warm-up rollout, so the first configuration's frames/s does not pay for first calls
+    actions, eta = actions.to(dev), cfg.diffusion.eta
+    # one untimed warm-up rollout (of the first episode), so the first configuration's frames/s does not pay
+    # for first calls
     rollout(model, diffusion, sched, real[:1, :ctx].to(dev), actions[:1, :ctx], actions[:1, ctx:],
-            min(frames, sched.delta), generator=torch.Generator().manual_seed(seed), progress=False)
+            min(frames, sched.delta), eta=eta, generator=torch.Generator().manual_seed(seed), progress=False)
     rows, points = [], []
-    for name, f, layers in tqdm_list(_report_configs(ratios["ratios"], fractions, seed), "hybrid report", progress):
+    configs = _report_configs(ratios["ratios"], fractions, seed)
+    for name, f, layers in tqdm(configs, desc="hybrid report", disable=not progress, leave=False):
         hm = HybridModel(model, dataclasses.replace(h, fraction=f, select="fixed", layers=layers), ratios)
-        row, ev = _measure(hm, diffusion, sched, real, actions, poses, ctx, frames, seed, cfg.train.window)
+        row, ev = _measure(hm, diffusion, sched, real, actions, poses, ctx, frames, seed, cfg.train.window, eta)
         rows.append({"selection": name, "fraction": f, "memory": cfg.memory.length,
                      "layers": " ".join(map(str, layers)) or "-", **row})
         points.append({"name": f"hybrid {name} {f:g}" if f else "base", "x": ev["max_psnr_decay"],
@@ -301,8 +296,6 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
 
 def _experiment_points(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Pareto points of an ``arvdm.experiments`` report (its pareto.csv)."""
-    import csv
-
     path = Path(path)
     path = path / "pareto.csv" if path.is_dir() else path
     if not path.is_file():
@@ -316,15 +309,9 @@ def _experiment_points(path: str | os.PathLike) -> list[dict[str, Any]]:
                 for r in csv.DictReader(f)]
 
 
-def tqdm_list(items, desc, progress):
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, disable=not progress, leave=False)
-
-
 def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
     """PSNR vs KV-cache bytes (left) and vs frames/s (right), one line per selection strategy."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is slow to import and only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -345,7 +332,7 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Pa
         ax.grid(alpha=0.3)
     fig.suptitle("hybrid attention: streaming fraction (labels) by selection")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=PLOT_DPI)
     plt.close(fig)
     return Path(path)
 
@@ -384,8 +371,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from arvdm.errors import USER_ERRORS
-
     args = _parser().parse_args(argv)
     try:
         if args.command == "calibrate":

@@ -19,7 +19,7 @@ numbers, strings, lists, tuples and dicts. `save_checkpoint` checks that before 
 Weights I/O lives here and only here: `save_pretrained` / `from_pretrained` / `load_weights` work on any
 module (``Denoiser.save_pretrained`` and ``Denoiser.from_pretrained`` delegate to them); files are written
 with `data.atomic.atomic_write`, folders by `write_folder_atomically`. This module imports no model
-code (`arvdm.sampling.load_for_inference` puts checkpoint and model together), so there is no circle.
+code (`arvdm.pipeline.runs.load_for_inference` puts checkpoint and model together), so there is no circle.
 """
 
 from __future__ import annotations

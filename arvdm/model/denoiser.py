@@ -1,5 +1,8 @@
 """The denoiser: a conv U-Net spatial path around spatio-temporal transformer blocks, in pixel space.
 
+Its layers are in arvdm/model/layers.py (transformer) and arvdm/model/unet.py (convolutions); this file
+holds the model, its memory plumbing and the state of a cached rollout.
+
     model = Denoiser(cfg)                                    # cfg: arvdm.config.Config
     v = model(x, levels, actions, memory=MemoryFrames(...))  # training / uncached rollout
     state = model.init_state(batch_size)                     # cached rollout
@@ -40,7 +43,7 @@ costs O(window + memory). See docs/model_and_memory.md for the cache semantics.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,348 +51,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-import kernels
 from arvdm.checks import value_checks_enabled
-from arvdm.config import Config, ConfigError
+from arvdm.config import CHANNEL_CONCAT, CROSS_ATTENTION, FACTORIZED, PREPEND, Config
 from arvdm.errors import ArvdmError
 from arvdm.model import checkpoint
-from arvdm.model.checkpoint import CheckpointError
+from arvdm.model.layers import Block, FinalLayer, LevelEmbedding, Rotary
+from arvdm.model.state import RolloutState
+from arvdm.model.unet import ConvDecoder, ConvEncoder
 from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy, build_compressor
 from memory.compress import sinusoidal
 
-__all__ = ["CheckpointError", "Denoiser", "DenoiserError", "MemoryFrames", "RolloutState"]
+__all__ = ["Denoiser", "DenoiserError"]
+
+POS_EMBED_INIT_STD = 0.02  # learned 2-D position embedding, initialised small (as in ViT / DiT)
 
 
 class DenoiserError(ArvdmError):
     """An input to the denoiser has the wrong shape/range, or a schedule it cannot serve."""
-
-
-# ------------------------------------------------------------------------------------------------
-# small pieces
-# ------------------------------------------------------------------------------------------------
-
-
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """AdaLN: x (B,T,N,D) scaled/shifted per frame by shift, scale (B,T,D)."""
-    return x * (1 + scale[:, :, None]) + shift[:, :, None]
-
-
-class LevelEmbedding(nn.Module):
-    """Noise level (B,T) int in 0..K -> (B,T,D): sinusoidal(level * 1000 / K) -> MLP (DiT's t-embedder).
-
-    Rescaling to 0..1000 keeps the sinusoid frequencies meaningful whatever K is.
-    """
-
-    def __init__(self, dim: int, num_levels: int, freq_dim: int = 256):
-        super().__init__()
-        self.num_levels, self.freq_dim = num_levels, freq_dim
-        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
-
-    def forward(self, levels: torch.Tensor) -> torch.Tensor:
-        t = levels.float() * (1000.0 / self.num_levels)  # (B,T)
-        return self.mlp(sinusoidal(t, self.freq_dim))  # (B,T,freq) -> (B,T,D)
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding over the absolute frame index (one angle set per frame).
-
-    Keys are rotated once, when computed, so a cached key keeps its position and q.k depends only on
-    the frame distance: a rollout longer than training slides without recomputing the cache.
-    """
-
-    def __init__(self, head_dim: int, base: float = 10000.0):
-        super().__init__()
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (hd/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ang = positions.float()[:, None] * self.inv_freq.to(positions.device)  # (L, hd/2)
-        ang = torch.cat([ang, ang], dim=-1)  # (L, hd)
-        return ang.cos(), ang.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B,T,N,H,hd) by the per-frame angles cos, sin (T,hd)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rot = torch.cat([-x2, x1], dim=-1)  # rotate_half
-    cos, sin = cos[None, :, None, None].to(x.dtype), sin[None, :, None, None].to(x.dtype)  # (1,T,1,1,hd)
-    return x * cos + rot * sin
-
-
-class SpatialAttention(nn.Module):
-    """Self-attention among the N tokens of each frame (frames never mix here)."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, n, d = x.shape
-        q, k, v = self.qkv(x).view(b * t, n, 3, self.heads, d // self.heads).unbind(2)  # (B*T,N,H,hd)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.proj(o.transpose(1, 2).reshape(b, t, n, d))  # (B*T,H,N,hd) -> (B,T,N,D)
-
-
-class TemporalAttention(nn.Module):
-    """Block-causal attention across frames through `kernels.chunked_attention`.
-
-    The frames of `x` are `n_prefix` prefix frames (memory, latents or frames being committed) followed
-    by window frames. Keys are `past` (a `KVCache` of earlier frames, already rotated) + the prefix + the window:
-      - prefix queries see the past and the prefix (chunked by `prefix_chunk`), never the window;
-      - window queries see everything before them and their own chunk (`frames_per_chunk`).
-    `streaming = (sink, recent)` makes this layer a streaming layer (the hybrid-attention layout).
-    Returns the output and this call's (K, V) in the kernel layout, for a caller that caches them.
-    """
-
-    def __init__(self, dim: int, heads: int, form: str, frames_per_chunk: int):
-        super().__init__()
-        self.heads, self.form, self.frames_per_chunk = heads, form, frames_per_chunk
-        self.streaming: tuple[int, int] | None = None
-        # optional probe(q, k, lse, streaming=, tokens_per_frame=, frames_per_chunk=, q_frame_offset=) called
-        # after each kernel call with that call's lse (arvdm.hybrid measures lazy ratios through it)
-        self.attention_probe = None
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def _to_seq(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, n, h, hd = x.shape
-        if self.form == "factorized":  # sequences of frames at each spatial position
-            return x.permute(0, 2, 3, 1, 4).reshape(b * n, h, t, hd)  # (B*N,H,T,hd)
-        return x.permute(0, 3, 1, 2, 4).reshape(b, h, t * n, hd)  # (B,H,T*N,hd), frame-major
-
-    def _from_seq(self, o: torch.Tensor, b: int, t: int, n: int) -> torch.Tensor:
-        h, hd = o.shape[1], o.shape[3]
-        if self.form == "factorized":
-            o = o.view(b, n, h, t, hd).permute(0, 3, 1, 2, 4)  # (B*N,H,T,hd) -> (B,T,N,H,hd)
-        else:
-            o = o.view(b, h, t, n, hd).permute(0, 2, 3, 1, 4)  # (B,H,T*N,hd) -> (B,T,N,H,hd)
-        return o.reshape(b, t, n, h * hd)  # (B,T,N,D)
-
-    def forward(self, x, cos, sin, *, past=None, n_prefix: int = 0, prefix_chunk: int = 1):
-        b, t, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, n, 3, self.heads, d // self.heads).unbind(3)  # (B,T,N,H,hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = self._to_seq(q), self._to_seq(k), self._to_seq(v)  # (B',H,T*tpf,hd)
-        tpf = 1 if self.form == "factorized" else n
-        n_past = 0 if past is None else past.num_frames  # frames already in the cache
-        keys, vals = k, v
-        if n_past:
-            pk, pv = past.keys_values()  # (B',H,P*tpf,hd) views
-            if pk.dtype == k.dtype:  # past + window as views of the cache buffer: no copy of the past per call
-                keys, vals = past.keys_values_with(k, v)  # (B',H,(P+T)*tpf,hd)
-            else:  # a cache filled under another autocast dtype is cast to this call's dtype
-                keys, vals = torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)
-        kw = dict(tokens_per_frame=tpf)
-        if self.streaming is not None:
-            kw.update(sink_frames=self.streaming[0], recent_frames=self.streaming[1])
-
-        def attend(qq, kk, vv, **rule):
-            if self.attention_probe is None:
-                return kernels.chunked_attention(qq, kk, vv, **rule, **kw)
-            o, lse = kernels.chunked_attention(qq, kk, vv, return_lse=True, **rule, **kw)
-            self.attention_probe(qq, kk, lse, streaming=self.streaming, tokens_per_frame=tpf, **rule)
-            return o
-
-        outs = []
-        split = n_prefix * tpf
-        if n_prefix > 0:  # prefix frames: the past + the prefix, never the window
-            end = (n_past + n_prefix) * tpf
-            outs.append(attend(q[:, :, :split], keys[:, :, :end], vals[:, :, :end],
-                               frames_per_chunk=prefix_chunk, q_frame_offset=n_past))
-        if n_prefix < t:  # window frames: everything earlier + their own chunk
-            outs.append(attend(q[:, :, split:], keys, vals, frames_per_chunk=self.frames_per_chunk,
-                               q_frame_offset=n_past + n_prefix))
-        o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B',H,T*tpf,hd)
-        return self.proj(self._from_seq(o, b, t, n)), (k, v)
-
-
-class CrossAttention(nn.Module):
-    """Window tokens (all N of every frame) attend to all memory tokens (L frames x N tokens)."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.q = nn.Linear(dim, dim)
-        self.kv_norm = nn.LayerNorm(dim)
-        self.kv = nn.Linear(dim, 2 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def memory_kv(self, mem: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Memory tokens (B, L*N, D) -> K, V (B,H,L*N,hd); computed once per commit in a rollout."""
-        b, s, d = mem.shape
-        k, v = self.kv(self.kv_norm(mem)).view(b, s, 2, self.heads, d // self.heads).unbind(2)  # (B,S,H,hd)
-        return k.transpose(1, 2), v.transpose(1, 2)
-
-    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        b, t, n, d = x.shape
-        q = self.q(x).view(b, t * n, self.heads, d // self.heads).transpose(1, 2)  # (B,H,T*N,hd)
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1])  # (B,H,T*N,hd)
-        return self.proj(o.transpose(1, 2).reshape(b, t, n, d))
-
-
-class Block(nn.Module):
-    """Spatial attention, temporal attention, [cross attention], MLP; each AdaLN-Zero modulated."""
-
-    def __init__(self, dim: int, heads: int, mlp_ratio: float, form: str, frames_per_chunk: int, cross: bool):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False)
-        self.spatial = SpatialAttention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False)
-        self.temporal = TemporalAttention(dim, heads, form, frames_per_chunk)
-        self.norm3 = nn.LayerNorm(dim, elementwise_affine=False)
-        hidden = int(dim * mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, dim))
-        self.cross = CrossAttention(dim, heads) if cross else None
-        self.norm4 = nn.LayerNorm(dim, elementwise_affine=False) if cross else None
-        self.n_mod = 12 if cross else 9  # (shift, scale, gate) per sublayer
-        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, self.n_mod * dim))
-        nn.init.zeros_(self.ada[1].weight)  # AdaLN-Zero: every block starts as the identity
-        nn.init.zeros_(self.ada[1].bias)
-
-    def forward(self, h, cond, cos, sin, *, past=None, n_prefix=0, prefix_chunk=1, cross_kv=None):
-        mods = self.ada(cond).chunk(self.n_mod, dim=-1)  # n_mod x (B,T,D)
-        h = h + mods[2][:, :, None] * self.spatial(modulate(self.norm1(h), mods[0], mods[1]))
-        a, kv = self.temporal(modulate(self.norm2(h), mods[3], mods[4]), cos, sin,
-                              past=past, n_prefix=n_prefix, prefix_chunk=prefix_chunk)
-        h = h + mods[5][:, :, None] * a
-        if self.cross is not None and cross_kv is not None:
-            h = h + mods[11][:, :, None] * self.cross(modulate(self.norm4(h), mods[9], mods[10]), cross_kv)
-        h = h + mods[8][:, :, None] * self.mlp(modulate(self.norm3(h), mods[6], mods[7]))
-        return h, kv
-
-
-class FinalLayer(nn.Module):
-    """AdaLN + linear from tokens to patch values (pixels, or the decoder's lowest feature map)."""
-
-    def __init__(self, dim: int, patch_values: int, zero_init: bool = True):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
-        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
-        self.linear = nn.Linear(dim, patch_values)
-        # Zero-init when this layer writes pixels (v = 0 at the start); in front of a conv decoder the
-        # decoder's last conv is the zero-init one and this layer must pass gradients from step one.
-        for lin in (self.ada[1], self.linear) if zero_init else (self.ada[1],):
-            nn.init.zeros_(lin.weight)
-            nn.init.zeros_(lin.bias)
-
-    def forward(self, h: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.ada(cond).chunk(2, dim=-1)  # (B,T,D) each
-        return self.linear(modulate(self.norm(h), shift, scale))  # (B,T,N,p*p*C)
-
-
-
-class ResBlock(nn.Module):
-    """Convolutional residual block with adaptive group norm (per-frame scale/shift from the cond).
-
-    Works on frames folded into the batch: x (B*T,C,H,W), cond (B*T,D). As in Diffusion Forcing's
-    and DDPM's U-Nets, the noise level (and here the action) enters every block through the norm.
-    """
-
-    def __init__(self, c_in: int, c_out: int, cond_dim: int):
-        super().__init__()
-        self.norm1 = nn.GroupNorm(_groups(c_in), c_in)
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
-        self.norm2 = nn.GroupNorm(_groups(c_out), c_out, affine=False)
-        self.ada = nn.Linear(cond_dim, 2 * c_out)  # -> (scale, shift) of norm2
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
-        self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
-        nn.init.zeros_(self.conv2.weight)  # every block starts as its skip path
-        nn.init.zeros_(self.conv2.bias)
-
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))  # (B*T,Co,H,W)
-        scale, shift = self.ada(cond)[:, :, None, None].chunk(2, dim=1)  # (B*T,Co,1,1) each
-        h = self.conv2(F.silu(self.norm2(h) * (1 + scale) + shift))
-        return self.skip(x) + h
-
-
-def _groups(channels: int) -> int:
-    """GroupNorm groups: 8 when they divide the channels (small U-Nets), else the largest divisor <= 8."""
-    return next(g for g in (8, 4, 2, 1) if channels % g == 0)
-
-
-class ConvEncoder(nn.Module):
-    """Per-frame convolutional path down to the token grid: one ResBlock per level, stride-2 between.
-
-    Level i runs at image_size / 2**i with `channels[i]` channels; its output is kept as a skip for
-    the decoder. The last level's feature map (image_size / 2**(L-1)) is what the patch embedding
-    turns into tokens, so the transformer blocks (temporal attention, memory, KV caches) run at the
-    lowest resolution, where a frame is a few dozen tokens.
-    """
-
-    def __init__(self, in_channels: int, channels: list[int], cond_dim: int):
-        super().__init__()
-        self.stem = nn.Conv2d(in_channels, channels[0], 3, padding=1)
-        self.down = nn.ModuleList(nn.Conv2d(a, b, 3, stride=2, padding=1) for a, b in zip(channels, channels[1:]))
-        self.blocks = nn.ModuleList(ResBlock(c, c, cond_dim) for c in channels)
-
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        h, skips = self.stem(x), []  # (B*T,c0,H,W)
-        for i, blk in enumerate(self.blocks):
-            if i > 0:
-                h = self.down[i - 1](h)  # (B*T,ci,H/2^i,W/2^i)
-            h = blk(h, cond)
-            skips.append(h)
-        return h, skips
-
-
-class ConvDecoder(nn.Module):
-    """Mirror of `ConvEncoder`: per level, concat the skip, ResBlock, upsample; a zero-init conv to pixels."""
-
-    def __init__(self, out_channels: int, channels: list[int], cond_dim: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(ResBlock(2 * c, c, cond_dim) for c in channels)
-        self.up = nn.ModuleList(nn.Conv2d(b, a, 3, padding=1) for a, b in zip(channels, channels[1:]))
-        self.norm = nn.GroupNorm(_groups(channels[0]), channels[0])
-        self.out = nn.Conv2d(channels[0], out_channels, 3, padding=1)
-        nn.init.zeros_(self.out.weight)  # training starts from v = 0
-        nn.init.zeros_(self.out.bias)
-
-    def forward(self, h: torch.Tensor, skips: list[torch.Tensor], cond: torch.Tensor) -> torch.Tensor:
-        for i in reversed(range(len(self.blocks))):
-            h = self.blocks[i](torch.cat([h, skips[i]], dim=1), cond)  # (B*T,ci,.,.)
-            if i > 0:
-                h = self.up[i - 1](F.interpolate(h, scale_factor=2.0, mode="nearest"))  # (B*T,c_{i-1},2x,2x)
-        return self.out(F.silu(self.norm(h)))  # (B*T,C,H,W)
-
-# ------------------------------------------------------------------------------------------------
-# rollout state
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RolloutState:
-    """Everything a cached rollout remembers between AR steps (from `Denoiser.init_state`).
-
-    Attributes:
-        bank: the clean committed frames under the retention policy.
-        caches: per-layer `KVCache` (prepend only; empty list otherwise).
-        batch_size: B of the rollout.
-        memory_vec: channel_concat only: the projected memory (B,N,D) added to every window token.
-        cross_kv: cross_attention only: per layer (K, V) of the memory tokens.
-    """
-
-    bank: MemoryBank
-    caches: list[KVCache] = field(default_factory=list)
-    batch_size: int = 1
-    memory_vec: torch.Tensor | None = None
-    cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    @property
-    def n_committed(self) -> int:
-        """Frames committed so far = absolute frame index of the next window's first frame."""
-        return self.bank.n_committed
-
-    def nbytes(self) -> int:
-        """Bytes of the model-side caches (KV caches, memory projection, cross K/V); not the bank."""
-        total = sum(c.nbytes() for c in self.caches)
-        if self.memory_vec is not None:
-            total += self.memory_vec.numel() * self.memory_vec.element_size()
-        for k, v in self.cross_kv or []:
-            total += (k.numel() + v.numel()) * k.element_size()
-        return total
 
 
 @dataclass
@@ -422,18 +100,12 @@ class Denoiser(nn.Module):
         mc.validate()
         mem.validate()
         cfg.diffusion.validate()
-        if (mc.dim // mc.heads) % 2:
-            raise ConfigError(f"model.dim/model.heads = {mc.dim // mc.heads} must be even (temporal RoPE "
-                              "rotates pairs of channels)")
-        if mem.structure in ("cross_attention", "channel_concat") and mem.length == 0:
-            raise ConfigError(f"memory.structure={mem.structure} needs memory.length >= 1 (with 0 memory "
-                              "frames the memory layers would have nothing to read)")
-        if mem.structure == "channel_concat" and mem.compressor == "none" and mem.retention == "all":
-            raise ConfigError("memory.structure=channel_concat with memory.compressor=none has a fixed "
-                              "number of slots (memory.length); memory.retention=all is unbounded: use "
-                              "last or sink_recent, or a compressor")
         self.cfg = Config.from_dict(cfg.to_dict())  # private copy: later edits to cfg do not leak in
-        self.structure, self.num_levels = mem.structure, cfg.diffusion.num_levels
+        self.num_levels = cfg.diffusion.num_levels
+        # memory.structure, resolved once: how the past reaches the network
+        self.memory_prefix = mem.structure == PREPEND  # a level-0 prefix of the temporal attention
+        self.memory_concat = mem.structure == CHANNEL_CONCAT  # projected and added to every window token
+        self.memory_cross = mem.structure == CROSS_ATTENTION  # read by a cross-attention sublayer per block
         self.frames_per_chunk = mc.frames_per_chunk
         self.patch, self.channels, self.image_size = mc.patch_size, mc.channels, mc.image_size
         self.grid = mc.token_grid  # tokens per side at the bottleneck
@@ -447,24 +119,27 @@ class Denoiser(nn.Module):
         self.decoder = ConvDecoder(mc.channels, unet, d) if unet else None
         token_in = unet[-1] if unet else mc.channels  # channels of the map that is patchified
         self.patch_embed = nn.Linear(token_in * mc.patch_size ** 2, d)
-        self.pos_embed = nn.Parameter(torch.randn(1, 1, self.num_tokens, d) * 0.02)  # learned 2-D grid
+        self.pos_embed = nn.Parameter(torch.randn(1, 1, self.num_tokens, d) * POS_EMBED_INIT_STD)  # 2-D grid
         self.level_embed = LevelEmbedding(d, cfg.diffusion.num_levels)
         self.action_embed = nn.Embedding(mc.num_actions + 1, d)
         self.rope = Rotary(d // mc.heads)
         self.blocks = nn.ModuleList(
             Block(d, mc.heads, mc.mlp_ratio, mc.temporal_attention, mc.frames_per_chunk,
-                  cross=mem.structure == "cross_attention") for _ in range(mc.depth))
+                  cross=self.memory_cross) for _ in range(mc.depth))
         self.final = FinalLayer(d, token_in * mc.patch_size ** 2, zero_init=self.decoder is None)
 
         # memory path
         self.compressor = build_compressor(mem.compressor, dim=d, heads=mc.heads, num_tokens=self.num_tokens,
                                            budget=mem.budget, num_actions=mc.num_actions)
         self.memory_slots = mem.budget if self.compressor is not None else mem.length  # L
-        if mem.structure == "channel_concat":
+        # raw frames as a prefix: committed frames' K/V are cached per layer (else rebuilt at every commit)
+        self.caches_committed_kv = self.memory_prefix and self.compressor is None
+        self.tokens_per_frame = 1 if mc.temporal_attention == FACTORIZED else self.num_tokens  # temporal attention
+        if self.memory_concat:
             self.memory_proj = nn.Linear(self.memory_slots * d, d)  # (L*D) -> D per spatial position
             nn.init.zeros_(self.memory_proj.weight)  # start as "no memory"; gradients still flow
             nn.init.zeros_(self.memory_proj.bias)
-        if mem.structure == "cross_attention" and self.compressor is None:
+        if self.memory_cross and self.compressor is None:
             # raw memory frames need "how long ago" (latents carry time through the compressor);
             # only built when used, so DDP never sees an unused parameter
             self.memory_age = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
@@ -582,7 +257,7 @@ class Denoiser(nn.Module):
         if pos.shape != (m,):
             raise DenoiserError(f"memory.positions must be ({m},), got {tuple(pos.shape)}")
         start = mem.window_start
-        if self.structure == "channel_concat" and self.compressor is None and m > self.memory_slots:
+        if self.memory_concat and self.compressor is None and m > self.memory_slots:
             raise DenoiserError(f"channel_concat has {self.memory_slots} memory slots (memory.length), got "
                                 f"{m} memory frames")
         tokens, _ = self._embed_frames(mem.frames, self._cond(torch.zeros_like(mem.actions), mem.actions))
@@ -649,9 +324,9 @@ class Denoiser(nn.Module):
             if state.batch_size != b:
                 raise DenoiserError(f"state was made for batch {state.batch_size}, the window has batch {b}")
             pos = state.n_committed + torch.arange(t, device=x.device)  # (T,)
-            if self.structure == "prepend":
+            if self.memory_prefix:
                 pasts = state.caches
-            elif self.structure == "channel_concat":
+            elif self.memory_concat:
                 vec = state.memory_vec if state.memory_vec is not None else self._concat_vector(None, b)
                 h = h + vec[:, None]  # (B,T,N,D)
             else:
@@ -660,16 +335,16 @@ class Denoiser(nn.Module):
             mem = self._memory(memory, b)
             start = memory.window_start if mem is not None else 0
             pos = start + torch.arange(t, device=x.device)  # (T,)
-            if self.structure == "prepend" and mem is not None:
+            if self.memory_prefix and mem is not None:
                 # memory frames/latents are a level-0 prefix on the time axis
                 n_prefix = mem.tokens.shape[1]
                 prefix_chunk = n_prefix if mem.latent else self.frames_per_chunk
                 h = torch.cat([mem.tokens, h], dim=1)  # (B,L+T,N,D)
                 cond = torch.cat([self._prefix_cond(mem), cond], dim=1)  # (B,L+T,D)
                 pos = torch.cat([mem.positions, pos])  # (L+T,)
-            elif self.structure == "channel_concat":
+            elif self.memory_concat:
                 h = h + self._concat_vector(mem, b)[:, None]  # (B,T,N,D)
-            elif self.structure == "cross_attention" and mem is not None:
+            elif self.memory_cross and mem is not None:
                 cross_kv = self._cross_kv(mem)
 
         h, _ = self._run(h, cond, pos, pasts=pasts, n_prefix=n_prefix, prefix_chunk=prefix_chunk,
@@ -688,8 +363,8 @@ class Denoiser(nn.Module):
         """
         policy = RetentionPolicy.from_config(self.cfg.memory)
         caches = []
-        if self.structure == "prepend":
-            tpf = 1 if self.cfg.model.temporal_attention == "factorized" else self.num_tokens
+        if self.memory_prefix:
+            tpf = self.tokens_per_frame
             if layer_policies is not None and len(layer_policies) != len(self.blocks):
                 raise DenoiserError(f"layer_policies has {len(layer_policies)} entries, the model has "
                                     f"{len(self.blocks)} layers")
@@ -725,7 +400,7 @@ class Denoiser(nn.Module):
                                 f"{self.frames_per_chunk} (chunks of committed frames must not shift)")
         self._check_actions(actions, (b, n), "actions")
         start = state.n_committed
-        if self.structure == "prepend" and self.compressor is None:
+        if self.caches_committed_kv:
             cond = self._cond(torch.zeros_like(actions), actions)  # clean frames: level 0
             h, _ = self._embed_frames(frames, cond)  # (B,n,N,D)
             pos = start + torch.arange(n, device=frames.device)  # (n,)
@@ -740,10 +415,10 @@ class Denoiser(nn.Module):
 
     def _refresh(self, state: RolloutState) -> None:
         """Rebuild the per-commit memory representation from the bank (all but raw prepend)."""
-        if self.structure == "prepend" and self.compressor is None:
+        if self.caches_committed_kv:
             return
         mem = self._memory(state.bank.memory(), state.batch_size)
-        if self.structure == "prepend":
+        if self.memory_prefix:
             for cache in state.caches:
                 cache.reset()
             if mem is None:
@@ -753,7 +428,7 @@ class Denoiser(nn.Module):
                                prefix_chunk=n_lat)
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, mem.positions.tolist())
-        elif self.structure == "channel_concat":
+        elif self.memory_concat:
             state.memory_vec = self._concat_vector(mem, state.batch_size)
         else:
             state.cross_kv = self._cross_kv(mem) if mem is not None else None

@@ -1,0 +1,90 @@
+"""The denoiser's convolutional spatial path: a per-frame U-Net encoder / decoder around the token grid.
+
+Frames are folded into the batch (x (B*T,C,H,W), cond (B*T,D)), so the convolutions never mix frames and
+the temporal rules (chunked causality, cached == recomputed) hold unchanged. As in Diffusion Forcing's and
+DDPM's U-Nets, the per-frame condition (noise level + action) enters every ResBlock through its group norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ConvDecoder", "ConvEncoder", "ResBlock"]
+
+MAX_NORM_GROUPS = 8  # GroupNorm groups of the small U-Nets here (fewer when they do not divide the channels)
+
+
+def norm_groups(channels: int) -> int:
+    """GroupNorm groups: 8 when they divide the channels, else the largest power of two below that does."""
+    return next(g for g in (MAX_NORM_GROUPS, 4, 2, 1) if channels % g == 0)
+
+
+class ResBlock(nn.Module):
+    """Convolutional residual block with adaptive group norm (per-frame scale/shift from the cond).
+
+    Works on frames folded into the batch: x (B*T,C,H,W), cond (B*T,D).
+    """
+
+    def __init__(self, c_in: int, c_out: int, cond_dim: int):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(norm_groups(c_in), c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.norm2 = nn.GroupNorm(norm_groups(c_out), c_out, affine=False)
+        self.ada = nn.Linear(cond_dim, 2 * c_out)  # -> (scale, shift) of norm2
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
+        nn.init.zeros_(self.conv2.weight)  # every block starts as its skip path
+        nn.init.zeros_(self.conv2.bias)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))  # (B*T,Co,H,W)
+        scale, shift = self.ada(cond)[:, :, None, None].chunk(2, dim=1)  # (B*T,Co,1,1) each
+        h = self.conv2(F.silu(self.norm2(h) * (1 + scale) + shift))
+        return self.skip(x) + h
+
+
+class ConvEncoder(nn.Module):
+    """Per-frame convolutional path down to the token grid: one ResBlock per level, stride-2 between.
+
+    Level i runs at image_size / 2**i with `channels[i]` channels; its output is kept as a skip for
+    the decoder. The last level's feature map (image_size / 2**(L-1)) is what the patch embedding
+    turns into tokens, so the transformer blocks (temporal attention, memory, KV caches) run at the
+    lowest resolution, where a frame is a few dozen tokens.
+    """
+
+    def __init__(self, in_channels: int, channels: list[int], cond_dim: int):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, channels[0], 3, padding=1)
+        self.down = nn.ModuleList(nn.Conv2d(a, b, 3, stride=2, padding=1) for a, b in zip(channels, channels[1:]))
+        self.blocks = nn.ModuleList(ResBlock(c, c, cond_dim) for c in channels)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h, skips = self.stem(x), []  # (B*T,c0,H,W)
+        for i, blk in enumerate(self.blocks):
+            if i > 0:
+                h = self.down[i - 1](h)  # (B*T,ci,H/2^i,W/2^i)
+            h = blk(h, cond)
+            skips.append(h)
+        return h, skips
+
+
+class ConvDecoder(nn.Module):
+    """Mirror of `ConvEncoder`: per level, concat the skip, ResBlock, upsample; a zero-init conv to pixels."""
+
+    def __init__(self, out_channels: int, channels: list[int], cond_dim: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(ResBlock(2 * c, c, cond_dim) for c in channels)
+        self.up = nn.ModuleList(nn.Conv2d(b, a, 3, padding=1) for a, b in zip(channels, channels[1:]))
+        self.norm = nn.GroupNorm(norm_groups(channels[0]), channels[0])
+        self.out = nn.Conv2d(channels[0], out_channels, 3, padding=1)
+        nn.init.zeros_(self.out.weight)  # training starts from v = 0
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, h: torch.Tensor, skips: list[torch.Tensor], cond: torch.Tensor) -> torch.Tensor:
+        for i in reversed(range(len(self.blocks))):
+            h = self.blocks[i](torch.cat([h, skips[i]], dim=1), cond)  # (B*T,ci,.,.)
+            if i > 0:
+                h = self.up[i - 1](F.interpolate(h, scale_factor=2.0, mode="nearest"))  # (B*T,c_{i-1},2x,2x)
+        return self.out(F.silu(self.norm(h)))  # (B*T,C,H,W)
