@@ -30,6 +30,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/hybrid.py` from the repo root
 
+from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame  # noqa: E402
+from arvdm.hybrid import convert as H  # noqa: E402
+from arvdm.hybrid import lazy as L  # noqa: E402
+from arvdm.hybrid import report as HR  # noqa: E402
+from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
+from arvdm.pipeline.rollout import rollout  # noqa: E402
+from arvdm.pipeline.runs import load_for_inference, load_validation_episodes  # noqa: E402
+from arvdm.schedules import get_schedule  # noqa: E402
 from benchmarks.common import interleaved, median, print_table, set_threads  # noqa: E402
 
 
@@ -54,31 +62,25 @@ def parse_args(argv=None):
 
 
 def _models(args):
-    """(run config, the run's own memory length, hybrid config, base wrapper, hybrid wrapper, diffusion,
+    """(run config, the run's default context (Config.default_context), hybrid config, base wrapper, hybrid wrapper, diffusion,
     schedule, device); the config's memory is then set to --memory frames (retention last)."""
-    from arvdm.hybrid import convert as H
-    from arvdm.hybrid import report as HR
-    from arvdm.model.diffusion import PerFrameDiffusion
-    from arvdm.pipeline.runs import load_for_inference
-    from arvdm.schedules.matrix import get_schedule
-
     dev = torch.device(args.device)
     model, cfg = load_for_inference(args.run, device=dev)
     overrides = ["hybrid.select=offline", *args.overrides, f"hybrid.fraction={args.fraction}"]
-    h = HR._hybrid_from_args(cfg, argparse.Namespace(overrides=overrides))
-    rpath = H.ratios_path(h, args.run)
+    h = HR.hybrid_settings(cfg, overrides)
+    rpath = L.ratios_path(h, args.run)
     if h.select == "offline" and not rpath.is_file():
         print(f"no {rpath}: calibrating first", file=sys.stderr)
         HR.run_calibration(args.run, data=args.data, overrides=[o for o in args.overrides], device=args.device)
-    offline = H.load_lazy_ratios(rpath) if rpath.is_file() else None
-    run_memory = cfg.memory.length
+    offline = L.load_lazy_ratios(rpath) if rpath.is_file() else None
+    run_context = cfg.default_context()  # before --memory changes the config
     # the full layers (and the bank) remember the last --memory frames
     for m in (model.cfg.memory, cfg.memory):
         m.retention, m.length = "last", args.memory
     sched = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, args.steps)
     base = H.HybridModel(model, dataclasses.replace(h, fraction=0.0, select="fixed", layers=[]), offline)
     hyb = H.HybridModel(model, h, offline)
-    return cfg, run_memory, h, base, hyb, PerFrameDiffusion(cfg.diffusion), sched, dev
+    return cfg, run_context, h, base, hyb, PerFrameDiffusion(cfg.diffusion), sched, dev
 
 
 def _cost_at_frame(args, models, diffusion, sched, real, actions, w, dev):
@@ -116,9 +118,6 @@ def _cost_at_frame(args, models, diffusion, sched, real, actions, w, dev):
 
 def _quality(models, diffusion, sched, real, actions, ctx, n, dev):
     """Mean PSNR and SSIM of each model's rollout of n frames after ctx context frames."""
-    from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame
-    from arvdm.pipeline.rollout import rollout
-
     psnr, ssim = {}, {}
     for name, m in models.items():
         gen = rollout(m, diffusion, sched, real[:, :ctx].to(dev), actions[:, :ctx].to(dev),
@@ -133,11 +132,9 @@ def _quality(models, diffusion, sched, real, actions, ctx, n, dev):
 def main(argv=None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
-    from arvdm.pipeline.runs import load_validation_episodes
-
-    cfg, run_memory, h, base, hyb, diffusion, sched, dev = _models(args)
+    cfg, run_context, h, base, hyb, diffusion, sched, dev = _models(args)
     w = cfg.train.window
-    ctx = args.context if args.context is not None else max(run_memory, w)  # the run's own memory
+    ctx = args.context if args.context is not None else run_context
     print(f"streaming layers {hyb.fixed[0] if hyb.fixed else '(online)'} of {len(hyb.layers)}; sink {h.sink} + "
           f"recent {h.recent}; memory {args.memory}; measured at frame {args.frame}")
     real, actions, _ = load_validation_episodes(args.data or cfg.data.path, cfg, args.episodes,

@@ -19,10 +19,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from arvdm.config import Config, ConfigError, apply_overrides, get_preset
+from arvdm.config import SCHEDULE_PRESETS, Config, ConfigError, apply_overrides, get_preset
 from arvdm.experiments.cells import MEMORY_KEYS, Cell, TrainRun
 from arvdm.experiments.spec import GridSpec, fmt_value, name_part
-from arvdm.schedules.matrix import PRESETS as SCHEDULE_PRESETS
 from arvdm.schedules.matrix import ScheduleError, get_schedule
 
 __all__ = ["DEFAULT_COMPRESSOR", "build_cells", "check_cell", "share_context", "share_runs"]
