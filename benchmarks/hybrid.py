@@ -62,7 +62,8 @@ def parse_args(argv=None):
 
 
 def _models(args):
-    """(run config, the run's default context (Config.default_context), hybrid config, base wrapper, hybrid wrapper, diffusion,
+    """(run config, the run's default context (Config.default_context), hybrid config, base wrapper, hybrid
+    wrapper, diffusion,
     schedule, device); the config's memory is then set to --memory frames (retention last)."""
     dev = torch.device(args.device)
     model, cfg = load_for_inference(args.run, device=dev)
