@@ -63,8 +63,7 @@ def parse_args(argv=None):
 
 def _models(args):
     """(run config, the run's default context (Config.default_context), hybrid config, base wrapper, hybrid
-    wrapper, diffusion,
-    schedule, device); the config's memory is then set to --memory frames (retention last)."""
+    wrapper, diffusion, schedule, device); the config's memory is then set to --memory frames (retention last)."""
     dev = torch.device(args.device)
     model, cfg = load_for_inference(args.run, device=dev)
     overrides = ["hybrid.select=offline", *args.overrides, f"hybrid.fraction={args.fraction}"]
