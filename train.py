@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_config(args: argparse.Namespace):
     """The run's Config: the preset (or, with --resume, the checkpoint's config) plus the overrides."""
+    # arvdm's imports sit inside the functions: main() calls setup_environment() before torch loads.
     from arvdm.config import ConfigError, apply_overrides, get_preset, parse_device
     from arvdm.model.checkpoint import CheckpointError, latest_checkpoint, load_config
 
@@ -87,9 +88,9 @@ def build_config(args: argparse.Namespace):
 def main(argv=None) -> int:
     setup_environment()  # before torch loads: OpenMP reads it once
     args = parse_args(argv)
-    # Imported after parsing so that --help is instant.
+    # Imported after setup_environment() (torch reads it once) and after parsing, so that --help is instant.
     from arvdm.errors import USER_ERRORS
-    from arvdm.training.trainer import DistributedError, train
+    from arvdm.training import DistributedError, train
 
     try:
         cfg, out = build_config(args)

@@ -29,6 +29,7 @@ from arvdm.config import apply_overrides, get_preset  # noqa: E402
 from arvdm.model.denoiser import Denoiser  # noqa: E402
 from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
 from arvdm.pipeline.rollout import rollout  # noqa: E402
+from arvdm.pipeline.runs import load_for_inference  # noqa: E402
 from arvdm.schedules.matrix import get_schedule  # noqa: E402
 from benchmarks.common import print_table, set_threads  # noqa: E402
 
@@ -39,7 +40,7 @@ def rss_bytes() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
-        import psutil
+        import psutil  # lazy: optional, only where /proc is missing
 
         return psutil.Process().memory_info().rss
 
@@ -53,8 +54,6 @@ def build_model(args) -> Denoiser:
     retention = [f"memory.retention={args.retention}", f"memory.sink={args.sink}", f"memory.recent={args.recent}",
                  f"memory.length={args.sink + args.recent}"]
     if args.run:
-        from arvdm.pipeline.runs import load_for_inference
-
         model, cfg = load_for_inference(args.run, device="cpu")
         if cfg.memory.structure != "prepend" or cfg.memory.compressor != "none":
             raise SystemExit(f"soak.py: error: {args.run} uses memory.structure={cfg.memory.structure}, "

@@ -30,10 +30,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arvdm.config import apply_overrides, get_preset
+from arvdm.training.loader import collate
+from arvdm.training.objective import diffusion_forcing_loss
 from arvdm.training.trainer import Trainer
 from data.episodes import write_episode
 
@@ -67,10 +70,6 @@ def peak_tflops(device: torch.device, given: float | None) -> float | None:
 
 def count_step_flops(trainer: Trainer, batch: dict) -> int:
     """FLOPs of one training step's forward + backward (the optimizer's elementwise work is not counted)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from arvdm.training.trainer import diffusion_forcing_loss
-
     model = trainer.model  # eager, whatever the mode: dynamo-compiled graphs hide their ops from the counter
     g = torch.Generator(device=trainer.device).manual_seed(0)
     with FlopCounterMode(display=False) as counter:
@@ -105,7 +104,7 @@ def main() -> None:
             cfg = apply_overrides(copy.deepcopy(base), [f"train.compile={'true' if mode == 'compiled' else 'false'}"])
             trainers[mode] = Trainer(cfg.validate(), Path(tmp) / f"run_{mode}", device=args.device)
         first = next(iter(trainers.values()))
-        loader = torch.utils.data.DataLoader(first.train_ds, batch_sampler=first.sampler, collate_fn=_collate)
+        loader = torch.utils.data.DataLoader(first.train_ds, batch_sampler=first.sampler, collate_fn=collate)
         batches = [next(iter(loader)) for _ in range(2)]
         dev = first.device
         batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
@@ -154,10 +153,6 @@ def main() -> None:
         print(f"compiled / eager speed: {e / c:.2f}x (median of {args.rounds} alternating turns of {args.steps} steps)")
     if peak:
         print(f"  MFU against {peak:g} TFLOP/s peak")
-
-
-def _collate(items):
-    return {"video": torch.stack([i["video"] for i in items]), "actions": torch.stack([i["actions"] for i in items])}
 
 
 if __name__ == "__main__":

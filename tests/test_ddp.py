@@ -23,6 +23,8 @@ if not torch.distributed.is_available():
 # notes which rank called it (one file per rank in WRITES_DIR).
 RECORD_WRITES = textwrap.dedent("""
     import os, sys
+    import arvdm.training.log as L
+    import arvdm.training.sample_video as V
     import arvdm.training.trainer as T
 
     def record(name, fn):
@@ -33,12 +35,24 @@ RECORD_WRITES = textwrap.dedent("""
         return wrapper
 
     T.save_checkpoint = record("checkpoint", T.save_checkpoint)
-    T._Logger.__init__ = record("log", T._Logger.__init__)
+    L.RunLogger.__init__ = record("log", L.RunLogger.__init__)
 """)
 
-# Runs train.py's main() in each rank (sample videos recorded too).
+# Runs train.py's main() in each rank (sample videos recorded too); after fit() every rank writes its final
+# weights to FINAL_DIR/rank<r>.safetensors.
 LAUNCHER = RECORD_WRITES + textwrap.dedent("""
-    T.write_side_by_side = record("sample", T.write_side_by_side)
+    from safetensors.torch import save_file
+    from arvdm.model.checkpoint import state_dict_for_safetensors
+
+    V.write_side_by_side = record("sample", V.write_side_by_side)
+    fit = T.Trainer.fit
+    def fit_and_dump(self, *args, **kwargs):
+        last = fit(self, *args, **kwargs)
+        os.makedirs(os.environ["FINAL_DIR"], exist_ok=True)
+        save_file(state_dict_for_safetensors(self.model),
+                  os.path.join(os.environ["FINAL_DIR"], "rank" + str(self.dist.rank) + ".safetensors"))
+        return last
+    T.Trainer.fit = fit_and_dump
     sys.path.insert(0, os.environ["REPO"])
     import train
     sys.exit(train.main(sys.argv[1:]))
@@ -56,7 +70,7 @@ def test_torchrun_two_cpu_ranks(tmp_path, grad_accum):
                                     "train.val_batches=2", "train.sample_every=4", f"train.grad_accum={grad_accum}"]
                  for a in ("--set", o)]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", REPO=str(REPO),
-               WRITES_DIR=str(tmp_path / "writes"), ARVDM_TEST_DUMP_WEIGHTS=str(tmp_path / "final"),
+               WRITES_DIR=str(tmp_path / "writes"), FINAL_DIR=str(tmp_path / "final"),
                OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(launcher), "--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu", *overrides]

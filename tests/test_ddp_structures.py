@@ -22,7 +22,8 @@ from test_ddp import RECORD_WRITES
 from test_malformed_inputs import TINY, write_data
 
 from arvdm.config import apply_overrides, get_preset
-from arvdm.training.trainer import Trainer, diffusion_forcing_loss
+from arvdm.training.objective import diffusion_forcing_loss
+from arvdm.training.trainer import Trainer
 from data.dataset import ClipDataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,9 +41,10 @@ MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
     import json
     import torch, torch.distributed as dist
     from arvdm.config import apply_overrides, get_preset
+    from arvdm.training.distributed import cleanup_distributed, setup_distributed
 
     torch.set_num_threads(1)
-    info = T.setup_distributed("cpu", timeout_s=120)
+    info = setup_distributed("cpu", timeout_s=120)
     base, matrix, out = json.loads(os.environ["BASE"]), json.loads(os.environ["MATRIX"]), os.environ["OUT"]
     results = []
     for i, extra in enumerate(matrix):
@@ -58,7 +60,7 @@ MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
     if info.is_main:
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(results, f)
-    T.cleanup_distributed()
+    cleanup_distributed()
 """)
 
 # train.py's main() in each rank; rank DIE_RANK kills (SIGKILL) or freezes (SIGSTOP) itself at step DIE_AT.
@@ -121,7 +123,7 @@ def test_a_parameter_without_gradient_is_named_on_the_first_step(tmp_path):
     cfg = apply_overrides(get_preset("tiny"), base_config(data)).validate()
     trainer = Trainer(cfg, tmp_path / "run", device="cpu")
     trainer.model.register_parameter("orphan", torch.nn.Parameter(torch.zeros(3)))
-    from arvdm.training.trainer import TrainingError
+    from arvdm.training.loader import TrainingError
     with pytest.raises(TrainingError, match="orphan.*train.find_unused_parameters=true"):
         trainer.fit()
 

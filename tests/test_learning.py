@@ -16,7 +16,7 @@ from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.schedules.matrix import get_schedule
-from arvdm.training.trainer import diffusion_forcing_loss
+from arvdm.training.objective import diffusion_forcing_loss
 
 S, K = 16, 100
 COLOURS = torch.tensor([[0.6, -0.4, -0.4], [-0.4, -0.2, 0.6]])

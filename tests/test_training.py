@@ -6,8 +6,6 @@ a 2-core CPU; the overfit test is marked slow.
 
 from __future__ import annotations
 
-# Idle OpenMP threads spin-wait by default; on a shared 2-core machine that makes small matmuls ~30x
-# slower. Must be set before torch starts its thread pool.
 import csv
 import itertools
 import json
@@ -27,7 +25,9 @@ from arvdm.model.checkpoint import (
     save_checkpoint,
 )
 from arvdm.pipeline.runs import load_for_inference
-from arvdm.training.trainer import ResumableSampler, Trainer, TrainingError, lr_factor
+from arvdm.training.loader import ResumableSampler, TrainingError
+from arvdm.training.objective import lr_factor
+from arvdm.training.trainer import Trainer
 from data.dataset import to_float_video
 from data.episodes import write_episode
 
@@ -257,12 +257,12 @@ def test_tiny_model_overfits_one_clip(tmp_path):
 def test_the_data_seed_is_not_the_training_seed(monkeypatch):
     """Two training seeds share one generated data set: prepare_data asks for data.generate_seed, not
     train.seed (a grid with seeds 0 and 1 once failed on 'holds a different data set: seed=0 (asked 1)')."""
-    import data.generate
+    import arvdm.training.loader as loader
     from arvdm.config import apply_overrides, get_preset
-    from arvdm.training.trainer import prepare_data
+    from arvdm.training.loader import prepare_data
 
     asked = []
-    monkeypatch.setattr(data.generate, "ensure_dataset", lambda root, env, n, length, policy, seed, **kw:
+    monkeypatch.setattr(loader, "ensure_dataset", lambda root, env, n, length, policy, seed, **kw:
                         asked.append(seed) or root)
     for train_seed in (0, 1):
         prepare_data(apply_overrides(get_preset("tiny"), [f"train.seed={train_seed}"]))

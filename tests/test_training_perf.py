@@ -8,7 +8,9 @@ import pytest
 import torch
 from test_training import tiny_cfg, write_episodes
 
-import arvdm.training.trainer as training
+import arvdm.training.trainer as trainer_module
+from arvdm.training.loader import collate
+from arvdm.training.objective import diffusion_forcing_loss
 from arvdm.training.trainer import Trainer
 
 
@@ -19,7 +21,7 @@ def data(tmp_path):
 
 def _clips(trainer, n):
     items = [trainer.train_ds[i] for i in range(n)]
-    return training._collate(items)
+    return collate(items)
 
 
 def _per_clip_loss(model, diffusion, video, actions, memory_length, num_levels, generator, autocast,
@@ -36,7 +38,7 @@ def _per_clip_loss(model, diffusion, video, actions, memory_length, num_levels, 
     return torch.stack(totals).sum(), torch.stack(counts).sum()
 
 
-real_loss = training.diffusion_forcing_loss
+real_loss = diffusion_forcing_loss
 
 
 def _grads(model):
@@ -44,7 +46,7 @@ def _grads(model):
 
 
 def test_grad_accum_equals_one_big_batch(tmp_path, data, monkeypatch):
-    monkeypatch.setattr(training, "diffusion_forcing_loss", _per_clip_loss)
+    monkeypatch.setattr(trainer_module, "diffusion_forcing_loss", _per_clip_loss)  # what train_step calls
     # K = 4 levels: level 0 (clean, not counted) is drawn often, so micro-batches count different frames.
     common = ["diffusion.num_levels=4", "train.grad_clip=0"]
     big = Trainer(tiny_cfg(data, "train.batch_size=4", *common), tmp_path / "big", device="cpu")

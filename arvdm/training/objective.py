@@ -1,0 +1,102 @@
+"""What training optimizes and how: the diffusion-forcing loss, AdamW with its lr schedule, the EMA of the weights.
+
+    total, counted = diffusion_forcing_loss(model, diffusion, video, actions, m, K, generator)
+    loss = total / counted.clamp(min=1)                  # mean v-MSE over the noisy window frames
+    optimizer, lr_scheduler = make_optimizer(model, cfg.train)
+    ema = EMA(model, cfg.train.ema_decay); ema.update(model, step)
+
+Contract: `diffusion_forcing_loss` draws its levels, then its noise, from `generator` only (never the global
+RNG), so a run that restores the generator's state draws the same numbers again (exact resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+
+from arvdm.config import TrainConfig
+from arvdm.model.checkpoint import unwrap
+from memory import MemoryFrames
+
+MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
+ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
+
+
+def memory_frames(frames: torch.Tensor, actions: torch.Tensor) -> MemoryFrames:
+    """The model's `memory=` argument for clean past frames (B,m,C,H,W) and their actions (B,m)."""
+    return MemoryFrames(frames, actions)  # positions 0..m-1; the window follows at m..m+w-1
+
+
+def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int,
+                           num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
+                           weight: str = "uniform", gamma: float = 5.0):
+    """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
+
+    video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
+    Each window frame draws its own level in 0..K (diffusion forcing). Frames that drew level 0 are clean
+    inputs: their v-target is pure noise the model cannot know, so they condition the others but are
+    left out of the loss (they still teach it to read clean frames in the window). `weight` is
+    `PerFrameDiffusion.loss_weight`'s kind (uniform or min_snr with `gamma`).
+    """
+    m = memory_length
+    x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
+    b, w = x0.shape[:2]
+    levels = torch.randint(0, num_levels + 1, (b, w), generator=generator, device=generator.device)
+    noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=x0.dtype)
+    levels, noise = levels.to(x0.device), noise.to(x0.device)
+    x_t = diffusion.add_noise(x0, noise, levels)  # (B, w, C, H, W)
+    target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
+    mem = memory_frames(video[:, :m], actions[:, :m]) if m > 0 else None
+    with autocast():
+        v = model(x_t, levels, act, memory=mem)  # (B, w, C, H, W)
+    per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
+    counted = (levels > 0).to(per_frame.dtype)  # (B, w)
+    w_levels = diffusion.loss_weight(levels, weight, gamma).to(per_frame.dtype)  # (B, w)
+    return (per_frame * w_levels * counted).sum(), counted.sum()
+
+
+def lr_factor(step: int, warmup: int, max_steps: int) -> float:
+    """Linear warm-up to 1 over `warmup` steps, then cosine decay to MIN_LR_RATIO at `max_steps`."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig
+                   ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters, and its warm-up + cosine lr schedule (`lr_factor`).
+
+    Weight decay only on matrices (not on norms, biases, embeddings' scales), as in nanoGPT.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=tc.lr, betas=ADAMW_BETAS)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, tc.warmup_steps, tc.max_steps))
+    return optimizer, lr_scheduler
+
+
+class EMA:
+    """Exponential moving average of the weights, kept in fp32 whatever the training precision.
+
+    The decay warms up as min(decay, (1 + t) / (10 + t)): with a plain 0.999 a short run's EMA would
+    still be mostly the random initial weights, and the EMA is what the sample videos use.
+    """
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.model = copy.deepcopy(unwrap(model)).float().eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
+        src = unwrap(model)
+        for e, p in zip(self.model.parameters(), src.parameters()):
+            e.lerp_(p.detach().float(), 1.0 - d)
+        for e, b in zip(self.model.buffers(), src.buffers()):
+            e.copy_(b)
