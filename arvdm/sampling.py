@@ -48,13 +48,19 @@ from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
 from arvdm.schedules.matrix import ARSchedule, get_schedule
-from arvdm.speculative.rows import Speculation, SpeculativeRows, make_speculation, plot_arms, speculation_report
+from arvdm.speculative.rows import (
+    Speculation,
+    SpeculativeRows,
+    make_speculation,
+    plot_arms,
+    report_bin_width,
+    speculation_report,
+)
 from data.atomic import atomic_write, atomic_write_text
 
-__all__ = ["sample_run", "compile_for_sampling", "FILMSTRIP_EPISODES", "LEVEL_BINS"]
+__all__ = ["sample_run", "compile_for_sampling", "FILMSTRIP_EPISODES"]
 
 FILMSTRIP_EPISODES = 4  # episodes (rows of ground truth over generated) in rollout.png
-LEVEL_BINS = 10  # speculation.json bins the acceptance of drafted rows into K / LEVEL_BINS-wide noise levels
 STRIP_CONSECUTIVE = 8  # filmstrip: consecutive generated frames after the last context frame
 STRIP_LATER = 3  # filmstrip: frames spread over the rest of the rollout
 
@@ -128,7 +134,7 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
         if spec is not None:
             specs.append(spec)
             reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,
-                                              level_bin=max(1, cfg.diffusion.num_levels // LEVEL_BINS)))
+                                              level_bin=report_bin_width(cfg.diffusion.num_levels)))
         fakes.append(gen.float().cpu())
     return torch.cat(fakes), specs, reports  # (N, n_gen, C, H, W)
 

@@ -58,9 +58,16 @@ from memory import MemoryBank, MemoryFrames
 from memory.cache import KVCache
 
 __all__ = ["Speculation", "SpeculativeRows", "SpeculationError", "RoundRecord", "RowCheck", "tile_state",
-           "make_speculation", "speculation_report", "plot_arms", "FROZEN", "NO_DRAFT"]
+           "make_speculation", "speculation_report", "plot_arms", "report_bin_width", "FROZEN", "NO_DRAFT",
+           "REPORT_LEVEL_BINS"]
 
 NO_DRAFT = "none"
+REPORT_LEVEL_BINS = 10  # reports bin the acceptance of drafted rows by noise level into tenths of K
+
+
+def report_bin_width(num_levels: int) -> int:
+    """Width in noise levels of one acceptance-by-level bin of a report (K / ``REPORT_LEVEL_BINS``, >= 1)."""
+    return max(1, num_levels // REPORT_LEVEL_BINS)
 
 
 class SpeculationError(ArvdmError):
