@@ -4,6 +4,8 @@
     video = rollout(model, diffusion, get_schedule("fifo", w, K, steps=16), context, context_actions,
                     actions, n_frames=300, generator=torch.Generator().manual_seed(0))   # (B, 300, C, H, W)
 
+Without ``eta=`` the transitions use the diffusion's own ``diffusion.cfg.eta`` (the run's sampling eta).
+
 The loop (Meta-ARVDM, arXiv 2503.10704, Alg. 1):
 
 1. the context frames are committed to the model's memory (bank + per-layer KV caches);

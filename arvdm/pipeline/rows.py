@@ -25,7 +25,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout_model import RolloutModel
 from memory import MemoryBank
 
-__all__ = ["RolloutStep", "RolloutContext", "RowRunner", "PlainRows", "standard_normal"]
+__all__ = ["RolloutStep", "RolloutContext", "RowRunner", "PlainRows"]
 
 
 class RolloutStep(NamedTuple):
@@ -47,7 +47,7 @@ class RolloutStep(NamedTuple):
     x0: torch.Tensor
 
 
-def standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device,
+def _standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device,
                     dtype: torch.dtype) -> torch.Tensor:
     """Standard normal noise from ``generator`` (drawn on the generator's device, then moved)."""
     gdev = generator.device if generator is not None else device
@@ -76,7 +76,7 @@ class RolloutContext:
 
     def noise(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The next standard normal draw of the rollout's generator."""
-        return standard_normal(shape, self.generator, self.device, self.dtype)
+        return _standard_normal(shape, self.generator, self.device, self.dtype)
 
     def predict(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The model's v (B, w, C, H, W) for the window ``x`` at ``levels`` (B, w), given the whole past."""

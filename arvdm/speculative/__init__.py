@@ -19,6 +19,7 @@ from arvdm.speculative.bandits import (
 from arvdm.speculative.rows import (
     FROZEN,
     NO_DRAFT,
+    REPORT_LEVEL_BINS,
     RoundRecord,
     RowCheck,
     Speculation,
@@ -26,6 +27,7 @@ from arvdm.speculative.rows import (
     SpeculativeRows,
     make_speculation,
     plot_arms,
+    report_bin_width,
     speculation_report,
     tile_state,
 )
@@ -37,5 +39,5 @@ from arvdm.speculative.rules import (
 
 __all__ = ["ArmPolicy", "UCBSpec", "EXP3Spec", "FixedArm", "PerContext", "hindsight_regret", "stopping_time_regret",
            "Speculation", "SpeculativeRows", "SpeculationError", "RoundRecord", "RowCheck", "make_speculation",
-           "speculation_report", "plot_arms", "tile_state", "FROZEN", "NO_DRAFT", "gaussian_accept_or_reflect",
-           "gaussian_acceptance_probability", "token_accept_or_resample"]
+           "speculation_report", "plot_arms", "tile_state", "report_bin_width", "REPORT_LEVEL_BINS", "FROZEN",
+           "NO_DRAFT", "gaussian_accept_or_reflect", "gaussian_acceptance_probability", "token_accept_or_resample"]

@@ -63,6 +63,7 @@ __all__ = ["Speculation", "SpeculativeRows", "SpeculationError", "RoundRecord", 
 
 NO_DRAFT = "none"
 REPORT_LEVEL_BINS = 10  # reports bin the acceptance of drafted rows by noise level into tenths of K
+ARMS_PLOT_WINDOWS = 40  # plot_arms smooths rows per round with a running mean over 1/40 of the rounds
 
 
 def report_bin_width(num_levels: int) -> int:
@@ -427,7 +428,7 @@ def plot_arms(runs: dict[str, Sequence[Speculation]], path: str | os.PathLike, t
         arms = np.array([r.arm for spec in specs for r in spec.rounds])
         rows = np.array([r.rows for spec in specs for r in spec.rounds])
         ax_arm.plot(np.arange(len(arms)), arms, ".", ms=2)
-        k = max(1, len(rows) // 40)  # running mean over ~2.5% of the rounds
+        k = max(1, len(rows) // ARMS_PLOT_WINDOWS)  # running-mean width
         ax_rows.plot(np.arange(len(rows) - k + 1) + k // 2, np.convolve(rows, np.ones(k) / k, mode="valid"), lw=1)
         edge = 0
         for spec in specs[:-1]:
