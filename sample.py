@@ -20,12 +20,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from arvdm.runtime import setup_environment
 
 
-def main(argv: list[str] | None = None) -> int:
-    setup_environment()  # before torch loads: OpenMP reads it once
+def build_parser() -> argparse.ArgumentParser:
+    """sample.py's flags (each maps onto a field of ``arvdm.config.SampleSettings``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="run folder written by train.py (or one checkpoint folder)")
@@ -36,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episodes", type=int, default=4, help="validation episodes to roll out")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--eta", type=float, default=None,
-                   help="0 = DDIM, 1 = DDPM-like (default: the run's diffusion.eta, 1 for the presets: sharper "
-                        "and better over the first frames of the tiny model, benchmarks/RESULTS.md)")
+                   help="0 = DDIM, 1 = DDPM-like (default: the run's diffusion.eta, 1 for the presets)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
     p.add_argument("--split", default="validation", choices=["validation", "training"],
@@ -61,20 +61,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookaheads", default="1,2,3,4", help="the bandits' lookahead arms, comma-separated")
     p.add_argument("--level-bins", type=int, default=1,
                    help="> 1: one bandit per bin of the noise level a round starts from")
-    args = p.parse_args(argv)
-    hybrid = {}
-    for item in args.overrides:
+    return p
+
+
+def hybrid_overrides(items: list[str], fraction: float | None) -> dict[str, Any]:
+    """``--set hybrid.KEY=VALUE`` (VALUE as JSON when it parses) and ``--hybrid F``; ValueError names the flag."""
+    hybrid: dict[str, Any] = {}
+    for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip().startswith("hybrid."):
-            print(f"sample.py: error: --set {item!r}: expected hybrid.KEY=VALUE (sampling changes only hybrid.*)",
-                  file=sys.stderr)
-            return 2
+            raise ValueError(f"--set {item!r}: expected hybrid.KEY=VALUE (sampling changes only hybrid.*)")
         try:
             hybrid[key.strip()[len("hybrid."):]] = json.loads(raw)
         except json.JSONDecodeError:
             hybrid[key.strip()[len("hybrid."):]] = raw
-    if args.hybrid is not None:
-        hybrid["fraction"] = args.hybrid
+    if fraction is not None:
+        hybrid["fraction"] = fraction
+    return hybrid
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_environment()  # before torch loads: OpenMP reads it once
+    args = build_parser().parse_args(argv)
+    try:
+        hybrid = hybrid_overrides(args.overrides, args.hybrid)
+    except ValueError as err:
+        print(f"sample.py: error: {err}", file=sys.stderr)
+        return 2
     try:
         lookaheads = tuple(int(v) for v in args.lookaheads.split(","))
     except ValueError:
@@ -82,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    # lazy: torch loads with these imports, after setup_environment (OpenMP reads its variables once)
     from arvdm.config import SampleSettings
     from arvdm.errors import USER_ERRORS
+    from arvdm.hybrid.convert import describe
     from arvdm.sampling import sample_run
 
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
@@ -100,19 +115,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sample.py: error: {err}", file=sys.stderr)
         return 2
     if "hybrid" in result["summary"]:
-        from arvdm.hybrid.convert import describe
-
         print(describe(result["summary"]["hybrid"]))
     print(json.dumps(result, indent=2))
     for i, rep in enumerate(result["summary"].get("speculation", [])):
-        print(f"rollout {i}: {rep['target_rounds']} target rounds for {rep['rows']} rows "
-              f"({rep['rows_per_round']:.2f} rows/round, {rep['accepted_rows_per_round']:.2f} drafted rows accepted "
-              f"per round, {rep['target_evaluations']} windows evaluated), "
-              f"acceptance {rep['acceptance']:.3f}, regret {rep['regret']['regret']:.1f} rounds vs best fixed arm "
-              f"{rep['arms'][rep['regret']['best_arm']]}, {rep['frames_per_second']:.2f} frames/s")
+        print(speculation_line(i, rep))
     if "verdict" in result["summary"]:  # the model against copy-last and context-mean, in words
         print(f"sample.py: {result['summary']['verdict']}", file=sys.stderr)
     return 0
+
+
+def speculation_line(i: int, rep: dict[str, Any]) -> str:
+    """One rollout's speculation report in one line."""
+    return (f"rollout {i}: {rep['target_rounds']} target rounds for {rep['rows']} rows "
+            f"({rep['rows_per_round']:.2f} rows/round, {rep['accepted_rows_per_round']:.2f} drafted rows accepted "
+            f"per round, {rep['target_evaluations']} windows evaluated), "
+            f"acceptance {rep['acceptance']:.3f}, regret {rep['regret']['regret']:.1f} rounds vs best fixed arm "
+            f"{rep['arms'][rep['regret']['best_arm']]}, {rep['frames_per_second']:.2f} frames/s")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from arvdm.config import FROZEN_DRAFT as FROZEN
-from arvdm.config import SampleSettings, SamplingError, parse_device
+from arvdm.config import Config, SampleSettings, SamplingError, parse_device
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
 from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame, write_metrics_csv
@@ -44,11 +44,25 @@ from arvdm.hybrid.convert import HybridModel, wrap_for_sampling
 from arvdm.model.checkpoint import resolve_data_path
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
+from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
-from arvdm.schedules.matrix import get_schedule
-from arvdm.speculative.rows import make_speculation, plot_arms, speculation_report
+from arvdm.schedules.matrix import ARSchedule, get_schedule
+from arvdm.speculative.rows import (
+    Speculation,
+    SpeculativeRows,
+    make_speculation,
+    plot_arms,
+    report_bin_width,
+    speculation_report,
+)
 from data.atomic import atomic_write, atomic_write_text
+
+__all__ = ["sample_run", "compile_for_sampling", "FILMSTRIP_EPISODES"]
+
+FILMSTRIP_EPISODES = 4  # episodes (rows of ground truth over generated) in rollout.png
+STRIP_CONSECUTIVE = 8  # filmstrip: consecutive generated frames after the last context frame
+STRIP_LATER = 3  # filmstrip: frames spread over the rest of the rollout
 
 
 def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings: SampleSettings) -> dict[str, Any]:
@@ -65,76 +79,28 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     if settings.compile:
         model = compile_for_sampling(model)
-    diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps)
     model.check_schedule(schedule.delta, schedule.window)
-
-    c = cfg.model.frames_per_chunk
-    context = settings.context if settings.context is not None else cfg.default_context()
-    if context < 0 or context % c:
-        raise SamplingError(f"--context {context} must be a non-negative multiple of the checkpoint's "
-                            f"frames_per_chunk={c}")
+    context = _context_frames(settings, cfg)
     real, actions, poses = load_validation_episodes(data_root, cfg, settings.episodes,
                                                     context, settings.frames, split=settings.split)
-    n_gen = real.shape[1] - context
-    if n_gen < 1:
+    if real.shape[1] - context < 1:
         raise SamplingError(f"nothing to generate: episodes hold {real.shape[1]} frames and --context is {context}")
 
-    draft_model = _load_draft(settings, cfg, schedule, device) if settings.speculate else None
-    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
-    fakes, specs, reports = [], [], []
-    for i in range(0, real.shape[0], settings.batch_size):
-        r, a = real[i:i + settings.batch_size].to(device), actions[i:i + settings.batch_size].to(device)
-        spec = None
-        if settings.speculate:
-            drafts = {FROZEN: None} if draft_model is None else {Path(settings.draft).name: draft_model}
-            spec = make_speculation(settings.speculate, settings.lookaheads, drafts, seed=settings.seed + i,
-                                    level_bins=settings.level_bins)
-            if specs:  # one policy learns over all the rollouts; each rollout keeps its own record
-                spec.policy = specs[-1].policy
-        t0 = time.perf_counter()
-        gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
-                      eta=settings.eta, generator=generator, use_cache=settings.use_cache,
-                      progress=settings.progress, speculation=spec)  # (b, n_gen, C, H, W)
-        if spec is not None:
-            specs.append(spec)
-            reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,
-                                              level_bin=max(1, cfg.diffusion.num_levels // 10)))
-        fakes.append(gen.float().cpu())
-    gen = torch.cat(fakes)  # (N, n_gen, C, H, W)
+    gen, specs, reports = roll_out_episodes(model, cfg, schedule, real, actions, context, settings, device)
     fake = torch.cat([real[:, :context], gen], dim=1)  # (N, T, C, H, W): context frames are the given truth
-
     out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "video": write_video(out / "rollout.mp4", side_by_side(real, fake)),
-        "filmstrip": write_image(out / "rollout.png", filmstrip(real[:4], fake[:4], indices=_strip_frames(context,
-                                                                                                    fake.shape[1]))),
-        "arrays": _write_npz(out / "rollout.npz", real=to_uint8(real), fake=to_uint8(fake)),
-    }
-    target = real[:, context:]  # (N, n_gen, C, H, W)
-    psnr, ssim = psnr_per_frame(gen, target), ssim_per_frame(gen, target)  # (N, n_gen) each
-    extra: dict[str, torch.Tensor] = {}
+    paths = write_rollout_files(out, real, fake, context)
     cmp = compare_with_baselines(gen, real, context) if context >= 1 else None
-    if cmp is not None:  # sharpness per frame (generated / real over all episodes)
-        extra["gradient_ratio"] = torch.tensor(cmp["gradient_ratio_curve"])  # (n_gen,)
-    for kind, curves in (cmp or {}).get("baselines", {}).items():  # the trivial predictors, frame by frame
-        extra[f"psnr_{kind}"] = torch.tensor(curves["psnr_curve"])  # (n_gen,) mean over episodes
-        extra[f"ssim_{kind}"] = torch.tensor(curves["ssim_curve"])
-    paths["metrics"] = write_metrics_csv(out / "metrics.csv", psnr, ssim, extra=extra)
-    summary: dict[str, Any] = {"psnr_mean": float(psnr[torch.isfinite(psnr)].mean()),
-                               "ssim_mean": float(ssim.mean()), "frames": n_gen, "context": context,
-                               "episodes": real.shape[0], "schedule": schedule.name}
+    paths["metrics"], summary = write_metrics(out / "metrics.csv", gen, real, context, cmp)
+    summary["schedule"] = schedule.name
     if cmp is not None:
         summary.update(first_frames=cmp["first_frames"], gradient_ratio_first16=cmp["gradient_ratio_first16"],
                        verdict=cmp["verdict"]["message"])
     if isinstance(model, HybridModel):
         summary["hybrid"] = model.summary()
     if specs:
-        paths["speculation"] = atomic_write_text(out / "speculation.json", json.dumps(
-            {"settings": asdict(settings), "schedule": schedule.name, "rollouts": reports}, indent=1) + "\n")
-        paths["speculation_arms"] = plot_arms({settings.speculate: specs}, out / "speculation_arms.png",
-                                              f"{settings.speculate}, draft {Path(settings.draft).name}, "
-                                              f"{schedule.name}, eta {settings.eta}")
+        paths.update(write_speculation(out, settings, schedule, specs, reports))
         summary["speculation"] = [{k: v for k, v in rep.items() if not k.endswith("_trace") and k != "arm_per_round"}
                                   for rep in reports]
     if settings.evaluate:
@@ -144,6 +110,71 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
             "config": cfg.to_dict(), **({"hybrid": summary["hybrid"]} if "hybrid" in summary else {})})
         summary["max_psnr_decay"] = result["max_psnr_decay"]
     return {"paths": {k: str(v) for k, v in paths.items()}, "summary": summary}
+
+
+def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, real: torch.Tensor,
+                      actions: torch.Tensor, context: int, settings: SampleSettings, device: torch.device
+                      ) -> tuple[torch.Tensor, list[Speculation], list[dict[str, Any]]]:
+    """Roll out every episode in batches from its first ``context`` frames with its own actions (one generator
+    seeded ``settings.seed`` for all batches, in order). Returns the generated frames (N, n_gen, C, H, W)
+    float on the CPU and, with ``settings.speculate``, each batch's :class:`Speculation` and report."""
+    n_gen = real.shape[1] - context
+    diffusion = PerFrameDiffusion(cfg.diffusion)
+    draft_model = _load_draft(settings, cfg, schedule, device) if settings.speculate else None
+    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+    fakes, specs, reports = [], [], []
+    for i in range(0, real.shape[0], settings.batch_size):
+        r, a = real[i:i + settings.batch_size].to(device), actions[i:i + settings.batch_size].to(device)
+        spec = _speculation(settings, draft_model, seed=settings.seed + i, previous=specs[-1] if specs else None)
+        t0 = time.perf_counter()
+        gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
+                      eta=settings.eta, generator=generator, use_cache=settings.use_cache,
+                      progress=settings.progress, rows=None if spec is None else SpeculativeRows(spec)
+                      )  # (b, n_gen, C, H, W)
+        if spec is not None:
+            specs.append(spec)
+            reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,
+                                              level_bin=report_bin_width(cfg.diffusion.num_levels)))
+        fakes.append(gen.float().cpu())
+    return torch.cat(fakes), specs, reports  # (N, n_gen, C, H, W)
+
+
+def write_rollout_files(out: Path, real: torch.Tensor, fake: torch.Tensor, context: int) -> dict[str, Path]:
+    """rollout.mp4 (side by side), rollout.png (filmstrip) and rollout.npz (uint8 ``real``, ``fake``) of
+    (N, T, C, H, W) ground truth and generated videos, context included."""
+    strip = filmstrip(real[:FILMSTRIP_EPISODES], fake[:FILMSTRIP_EPISODES], indices=_strip_frames(context,
+                                                                                                  fake.shape[1]))
+    return {"video": write_video(out / "rollout.mp4", side_by_side(real, fake)),
+            "filmstrip": write_image(out / "rollout.png", strip),
+            "arrays": _write_npz(out / "rollout.npz", real=to_uint8(real), fake=to_uint8(fake))}
+
+
+def write_metrics(path: Path, gen: torch.Tensor, real: torch.Tensor, context: int,
+                  cmp: dict[str, Any] | None) -> tuple[Path, dict[str, Any]]:
+    """metrics.csv: per generated frame the model's PSNR / SSIM, the baselines' (from ``cmp``, a
+    ``compare_with_baselines`` result or None) and the gradient ratio. Returns the path and the summary's
+    first numbers (means, frames, context, episodes)."""
+    target = real[:, context:]  # (N, n_gen, C, H, W)
+    psnr, ssim = psnr_per_frame(gen, target), ssim_per_frame(gen, target)  # (N, n_gen) each
+    extra: dict[str, torch.Tensor] = {}
+    if cmp is not None:  # sharpness per frame (generated / real over all episodes)
+        extra["gradient_ratio"] = torch.tensor(cmp["gradient_ratio_curve"])  # (n_gen,)
+    for kind, curves in (cmp or {}).get("baselines", {}).items():  # the trivial predictors, frame by frame
+        extra[f"psnr_{kind}"] = torch.tensor(curves["psnr_curve"])  # (n_gen,) mean over episodes
+        extra[f"ssim_{kind}"] = torch.tensor(curves["ssim_curve"])
+    summary = {"psnr_mean": float(psnr[torch.isfinite(psnr)].mean()), "ssim_mean": float(ssim.mean()),
+               "frames": gen.shape[1], "context": context, "episodes": real.shape[0]}
+    return write_metrics_csv(path, psnr, ssim, extra=extra), summary
+
+
+def write_speculation(out: Path, settings: SampleSettings, schedule: ARSchedule, specs: list[Speculation],
+                      reports: list[dict[str, Any]]) -> dict[str, Path]:
+    """speculation.json (every rollout's report) and speculation_arms.png (the arms over the rounds)."""
+    text = json.dumps({"settings": asdict(settings), "schedule": schedule.name, "rollouts": reports}, indent=1)
+    return {"speculation": atomic_write_text(out / "speculation.json", text + "\n"),
+            "speculation_arms": plot_arms({settings.speculate: specs}, out / "speculation_arms.png",
+                                          f"{settings.speculate}, draft {Path(settings.draft).name}, "
+                                          f"{schedule.name}, eta {settings.eta}")}
 
 
 def compile_for_sampling(model: torch.nn.Module) -> torch.nn.Module:
@@ -157,7 +188,31 @@ def compile_for_sampling(model: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(model)
 
 
-def _load_draft(settings: SampleSettings, cfg, schedule, device: torch.device):
+def _context_frames(settings: SampleSettings, cfg: Config) -> int:
+    """``--context`` or the run's default, checked to be whole chunks of the checkpoint."""
+    c = cfg.model.frames_per_chunk
+    context = settings.context if settings.context is not None else cfg.default_context()
+    if context < 0 or context % c:
+        raise SamplingError(f"--context {context} must be a non-negative multiple of the checkpoint's "
+                            f"frames_per_chunk={c}")
+    return context
+
+
+def _speculation(settings: SampleSettings, draft_model: Any, seed: int,
+                 previous: Speculation | None) -> Speculation | None:
+    """One rollout's :class:`Speculation` (None without ``--speculate``); one policy learns over all the
+    rollouts (``previous``'s), each rollout keeps its own record."""
+    if not settings.speculate:
+        return None
+    drafts = {FROZEN: None} if draft_model is None else {Path(settings.draft).name: draft_model}
+    spec = make_speculation(settings.speculate, settings.lookaheads, drafts, seed=seed,
+                            level_bins=settings.level_bins)
+    if previous is not None:
+        spec.policy = previous.policy
+    return spec
+
+
+def _load_draft(settings: SampleSettings, cfg: Config, schedule: ARSchedule, device: torch.device) -> Any:
     """The draft network for ``--draft RUN`` (None for the frozen draft), checked against the target."""
     if settings.eta <= 0:
         raise SamplingError("--speculate needs --eta > 0: with eta = 0 every denoising transition is deterministic, "
@@ -178,8 +233,9 @@ def _load_draft(settings: SampleSettings, cfg, schedule, device: torch.device):
 def _strip_frames(context: int, total: int) -> list[int]:
     """Filmstrip columns: the last context frame, 8 consecutive generated frames (does the view move with
     the actions?), then 3 frames spread over the rest of the rollout (does it hold up?)."""
-    first = list(range(max(context - 1, 0), min(context + 8, total)))
-    rest = np.linspace(first[-1], total - 1, 4).round().astype(int)[1:].tolist() if total - 1 > first[-1] else []
+    first = list(range(max(context - 1, 0), min(context + STRIP_CONSECUTIVE, total)))
+    rest = (np.linspace(first[-1], total - 1, STRIP_LATER + 1).round().astype(int)[1:].tolist()
+            if total - 1 > first[-1] else [])
     return first + rest
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 def measure(iters: int) -> dict[str, float]:
     """One round of every measurement in this process (whatever tree its imports come from)."""
+    # lazy: imported after --one-round has put the tree to measure first on sys.path
     import torch
 
     from arvdm.config import DiffusionConfig

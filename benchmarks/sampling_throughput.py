@@ -30,6 +30,7 @@ from arvdm.config import apply_overrides, get_preset  # noqa: E402
 from arvdm.model.denoiser import Denoiser  # noqa: E402
 from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
 from arvdm.pipeline.rollout import rollout  # noqa: E402
+from arvdm.pipeline.runs import load_for_inference  # noqa: E402
 from arvdm.sampling import compile_for_sampling  # noqa: E402
 from arvdm.schedules.matrix import get_schedule  # noqa: E402
 
@@ -39,8 +40,6 @@ SMOKE = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.dep
 
 def build(args) -> tuple[torch.nn.Module, object]:
     if args.run:
-        from arvdm.pipeline.runs import load_for_inference
-
         return load_for_inference(args.run, device=args.device)
     cfg = apply_overrides(get_preset(args.preset), (SMOKE if args.smoke else []) + list(args.set)).validate()
     torch.manual_seed(0)
@@ -88,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(mode: str, n: int) -> torch.Tensor:
         with autocast():
-            return rollout(nets[mode], diffusion, sched, ctx, ctx_act, act, n, use_cache=mode != "recompute",
-                           generator=torch.Generator().manual_seed(1), progress=False)
+            return rollout(nets[mode], diffusion, sched, ctx, ctx_act, act, n, eta=0.0,
+                           use_cache=mode != "recompute", generator=torch.Generator().manual_seed(1), progress=False)
 
     times: dict[str, list[float]] = {m: [] for m in args.modes}
     outs, warm = {}, {}

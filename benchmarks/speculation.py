@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,13 +39,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
 from arvdm.pipeline.rollout import rollout  # noqa: E402
-from arvdm.pipeline.runs import load_for_inference  # noqa: E402
-from arvdm.sampling import load_validation_episodes  # noqa: E402
+from arvdm.pipeline.runs import load_for_inference, load_validation_episodes  # noqa: E402
 from arvdm.schedules.matrix import get_schedule  # noqa: E402
 from arvdm.speculative.bandits import hindsight_regret  # noqa: E402
-from arvdm.speculative.rows import FROZEN, make_speculation, plot_arms  # noqa: E402
+from arvdm.speculative.rows import FROZEN, SpeculativeRows, make_speculation, plot_arms, report_bin_width  # noqa: E402
 from benchmarks.common import print_table, set_threads  # noqa: E402
-from data.atomic import atomic_write_text  # noqa: E402
+from data.atomic import atomic_write, atomic_write_text  # noqa: E402
 
 
 class CountingModel:
@@ -61,29 +61,7 @@ class CountingModel:
         return getattr(self.model, name)
 
 
-def plot_acceptance(results: dict, path: Path) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from data.atomic import atomic_write
-
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    for name, r in results.items():
-        if name.startswith("fixed:") and r["acceptance_by_level"]:
-            levels = sorted(int(k) for k in r["acceptance_by_level"])
-            ax.plot(levels, [r["acceptance_by_level"][str(k)] for k in levels], "o-", ms=3, label=name)
-    ax.set_xlabel("noise level the drafted row starts from (K = pure noise)")
-    ax.set_ylabel("acceptance of drafted rows")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
-    return path
-
-
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="the target: a run folder written by train.py")
@@ -102,80 +80,55 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="default RUN/benchmarks/speculation")
     p.add_argument("--quick", action="store_true", help="1 episode, 8 frames, 10 steps")
-    args = p.parse_args(argv)
-    if args.eta <= 0:
-        p.error("--eta must be > 0: with eta = 0 the transitions are deterministic and nothing can be accepted")
-    if args.quick:
-        args.episodes, args.frames, args.steps = 1, 8, 10
-    set_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
-    lookaheads = [int(v) for v in args.lookaheads.split(",")]
+    return p
 
-    model, cfg = load_for_inference(args.run, device=device)
-    diffusion = PerFrameDiffusion(cfg.diffusion)
-    schedule = get_schedule(args.schedule, cfg.train.window, cfg.diffusion.num_levels, args.steps)
-    context = max(cfg.memory.length, cfg.model.frames_per_chunk)
-    real, actions, _ = load_validation_episodes(cfg.data.path, cfg, args.episodes, context, args.frames)
-    drafts = {FROZEN: None}
-    if args.draft_run:
-        drafts[Path(args.draft_run).name] = load_for_inference(args.draft_run, device=device)[0]
 
-    bandits = ["ucb", "exp3"] + ([f"ucb/{args.level_bins}bins", f"exp3/{args.level_bins}bins"]
-                                 if args.level_bins > 1 else [])
-    names = ["plain"] + [f"fixed:{L} {d}" for d in drafts for L in lookaheads] + bandits
-    results = {n: {"rounds": 0, "evaluations": 0, "rows": 0, "seconds": 0.0, "accepted": 0, "checked": 0,
-                   "levels": {}, "specs": []} for n in names}
-    counter = CountingModel(model)
-    n_ar = schedule.num_ar_steps(args.frames)
-    print(f"target {args.run} ({model.num_params() / 1e6:.2f}M params), schedule {schedule.name} "
-          f"(w={schedule.window}, M={schedule.num_steps}), eta {args.eta}, {args.episodes} episodes x "
-          f"{args.frames} frames, batch {args.batch_size}, lookaheads {lookaheads}, drafts {list(drafts)}")
-    for i in range(0, real.shape[0], args.batch_size):
-        r, a = real[i:i + args.batch_size].to(device), actions[i:i + args.batch_size].to(device)
-        for name in names:  # round-robin: load drift hits every configuration alike
-            spec = None
-            if name != "plain":
-                mode, _, draft = name.partition(" ")
-                mode, _, binned = mode.partition("/")
-                one = {draft: drafts[draft]} if draft else drafts
-                spec = make_speculation(mode, [1] + lookaheads, one, seed=args.seed + i,
-                                        level_bins=args.level_bins if binned else 1)
-                if results[name]["specs"]:  # a bandit learns over the whole run
-                    spec.policy = results[name]["specs"][-1].policy
-            counter.calls = 0
-            t0 = time.perf_counter()
-            rollout(counter if spec is None else model, diffusion, schedule, r[:, :context], a[:, :context],
-                    a[:, context:], args.frames, eta=args.eta, generator=torch.Generator().manual_seed(args.seed + i),
-                    progress=False, speculation=spec)
-            res = results[name]
-            res["seconds"] += time.perf_counter() - t0
-            res["frames"] = res.get("frames", 0) + r.shape[0] * args.frames
-            if spec is None:
-                res["rounds"] += counter.calls
-                res["evaluations"] += counter.calls * r.shape[0]
-                res["rows"] += counter.calls
-            else:
-                s = spec.summary()
-                res["rounds"] += s["target_rounds"]
-                res["evaluations"] += s["target_evaluations"]
-                res["rows"] += s["rows"]
-                res["accepted"] += sum(c.accepted for c in spec.checks)
-                res["checked"] += sum(c.checked for c in spec.checks)
-                for c in spec.checks:  # bins of K/10 levels
-                    width = max(1, cfg.diffusion.num_levels // 10)
-                    acc = res["levels"].setdefault(int(c.level) // width * width, [0, 0])
-                    acc[0] += c.accepted
-                    acc[1] += c.checked
-                res["specs"].append(spec)
-        print(f"  episodes {i}..{i + r.shape[0] - 1} done")
+def run_config(name: str, bench: dict[str, Any], r: torch.Tensor, a: torch.Tensor, seed: int, args,
+               result: dict[str, Any]) -> None:
+    """One rollout of configuration ``name`` on the episodes ``r`` / actions ``a``; its counts into ``result``."""
+    spec = None
+    if name != "plain":
+        mode, _, draft = name.partition(" ")
+        mode, _, binned = mode.partition("/")
+        drafts = {draft: bench["drafts"][draft]} if draft else bench["drafts"]
+        spec = make_speculation(mode, [1] + bench["lookaheads"], drafts, seed=seed,
+                                level_bins=args.level_bins if binned else 1)
+        if result["specs"]:  # a bandit learns over the whole run
+            spec.policy = result["specs"][-1].policy
+    counter, context = bench["counter"], bench["context"]
+    counter.calls = 0
+    t0 = time.perf_counter()
+    rollout(counter if spec is None else bench["model"], bench["diffusion"], bench["schedule"], r[:, :context],
+            a[:, :context], a[:, context:], args.frames, eta=args.eta, generator=torch.Generator().manual_seed(seed),
+            progress=False, rows=None if spec is None else SpeculativeRows(spec))
+    result["seconds"] += time.perf_counter() - t0
+    result["frames"] += r.shape[0] * args.frames
+    if spec is None:
+        result["rounds"] += counter.calls
+        result["evaluations"] += counter.calls * r.shape[0]
+        result["rows"] += counter.calls
+        return
+    s = spec.summary()
+    result["rounds"] += s["target_rounds"]
+    result["evaluations"] += s["target_evaluations"]
+    result["rows"] += s["rows"]
+    result["accepted"] += sum(c.accepted for c in spec.checks)
+    result["checked"] += sum(c.checked for c in spec.checks)
+    width = report_bin_width(bench["num_levels"])
+    for c in spec.checks:
+        acc = result["levels"].setdefault(int(c.level) // width * width, [0, 0])
+        acc[0] += c.accepted
+        acc[1] += c.checked
+    result["specs"].append(spec)
 
-    n_rollouts = -(-real.shape[0] // args.batch_size)
+
+def summarise(results: dict[str, dict[str, Any]], rounds_per_rollout: int) -> dict[str, dict[str, Any]]:
+    """Per configuration the JSON row; prints the table. ``rounds_per_rollout``: rollouts x AR steps."""
     plain_rounds = results["plain"]["rounds"]
     table, out_json = [], {}
     for name, res in results.items():
         acceptance = res["accepted"] / res["checked"] if res["checked"] else float("nan")
-        row = {"rounds_per_ar_step": res["rounds"] / (n_rollouts * n_ar), "target_rounds": res["rounds"],
+        row = {"rounds_per_ar_step": res["rounds"] / rounds_per_rollout, "target_rounds": res["rounds"],
                "windows_evaluated": res["evaluations"], "rows_per_round": res["rows"] / max(1, res["rounds"]),
                "acceptance": acceptance, "frames_per_s": res["frames"] / res["seconds"],
                "round_speedup_vs_plain": plain_rounds / max(1, res["rounds"]),
@@ -185,10 +138,15 @@ def main(argv=None) -> int:
                       f"{acceptance:.3f}", f"{row['frames_per_s']:.3f}", f"{row['round_speedup_vs_plain']:.2f}x"])
     print_table(["config", "target rounds / AR step", "windows evaluated", "rows / round", "acceptance",
                  "frames/s", "fewer rounds vs plain"], table)
+    return out_json
 
-    fixed = {n: out_json[n]["target_rounds"] for n in names if n.startswith("fixed:")}
+
+def compare_bandits(results: dict[str, dict[str, Any]], out_json: dict[str, dict[str, Any]],
+                    bandits: list[str]) -> None:
+    """The bandits against the best fixed arm (into ``out_json``) and acceptance by noise level, printed."""
+    fixed = {n: row["target_rounds"] for n, row in out_json.items() if n.startswith("fixed:")}
     best = min(fixed, key=fixed.get)
-    print(f"\nbest fixed arm: {best} ({fixed[best]} rounds); plain: {plain_rounds} rounds")
+    print(f"\nbest fixed arm: {best} ({fixed[best]} rounds); plain: {results['plain']['rounds']} rounds")
     for bandit in bandits:
         gap = out_json[bandit]["target_rounds"] / fixed[best] - 1
         hind = [_hindsight(s) for s in results[bandit]["specs"]]
@@ -202,15 +160,85 @@ def main(argv=None) -> int:
                 [[n] + [f"{out_json[n]['acceptance_by_level'].get(str(k), float('nan')):.2f}" for k in levels]
                  for n in fixed])
 
-    out = Path(args.out or Path(args.run) / "benchmarks" / "speculation")
+
+def plot_acceptance(results: dict, path: Path) -> Path:
+    # lazy: matplotlib is slow to import and only this figure needs it
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for name, r in results.items():
+        if name.startswith("fixed:") and r["acceptance_by_level"]:
+            levels = sorted(int(k) for k in r["acceptance_by_level"])
+            ax.plot(levels, [r["acceptance_by_level"][str(k)] for k in levels], "o-", ms=3, label=name)
+    ax.set_xlabel("noise level the drafted row starts from (K = pure noise)")
+    ax.set_ylabel("acceptance of drafted rows")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    return path
+
+
+def write_outputs(out: Path, args, results: dict[str, dict[str, Any]], out_json: dict[str, dict[str, Any]],
+                  bandits: list[str], schedule_name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "speculation.json", json.dumps({"args": vars(args), "results": out_json}, indent=1))
     panels = {"UCBSpec": results["ucb"]["specs"], "EXP3Spec": results["exp3"]["specs"]}
     if len(bandits) > 2:
         panels[f"UCBSpec, {args.level_bins} level bins"] = results[bandits[2]]["specs"]
-    plot_arms(panels, out / "speculation_arms.png", f"{schedule.name}, {args.steps} steps, eta {args.eta}")
+    plot_arms(panels, out / "speculation_arms.png", f"{schedule_name}, {args.steps} steps, eta {args.eta}")
     plot_acceptance(out_json, out / "speculation_acceptance.png")
     print(f"\nwrote {out}/speculation.json, speculation_arms.png, speculation_acceptance.png")
+
+
+def load_bench(args, device: torch.device) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """The target, its diffusion and schedule, the drafts; and the validation episodes and actions."""
+    model, cfg = load_for_inference(args.run, device=device)
+    schedule = get_schedule(args.schedule, cfg.train.window, cfg.diffusion.num_levels, args.steps)
+    context = max(cfg.memory.length, cfg.model.frames_per_chunk)
+    real, actions, _ = load_validation_episodes(cfg.data.path, cfg, args.episodes, context, args.frames)
+    drafts = {FROZEN: None}
+    if args.draft_run:
+        drafts[Path(args.draft_run).name] = load_for_inference(args.draft_run, device=device)[0]
+    bench = {"model": model, "counter": CountingModel(model), "diffusion": PerFrameDiffusion(cfg.diffusion),
+             "schedule": schedule, "context": context, "drafts": drafts, "num_levels": cfg.diffusion.num_levels,
+             "lookaheads": [int(v) for v in args.lookaheads.split(",")]}
+    return bench, real, actions
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.eta <= 0:
+        p.error("--eta must be > 0: with eta = 0 the transitions are deterministic and nothing can be accepted")
+    if args.quick:
+        args.episodes, args.frames, args.steps = 1, 8, 10
+    set_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    bench, real, actions = load_bench(args, device)
+    schedule, drafts, lookaheads = bench["schedule"], bench["drafts"], bench["lookaheads"]
+    bandits = ["ucb", "exp3"] + ([f"ucb/{args.level_bins}bins", f"exp3/{args.level_bins}bins"]
+                                 if args.level_bins > 1 else [])
+    names = ["plain"] + [f"fixed:{L} {d}" for d in drafts for L in lookaheads] + bandits
+    results = {n: {"rounds": 0, "evaluations": 0, "rows": 0, "seconds": 0.0, "frames": 0, "accepted": 0,
+                   "checked": 0, "levels": {}, "specs": []} for n in names}
+    print(f"target {args.run} ({bench['model'].num_params() / 1e6:.2f}M params), schedule {schedule.name} "
+          f"(w={schedule.window}, M={schedule.num_steps}), eta {args.eta}, {args.episodes} episodes x "
+          f"{args.frames} frames, batch {args.batch_size}, lookaheads {lookaheads}, drafts {list(drafts)}")
+    for i in range(0, real.shape[0], args.batch_size):
+        r, a = real[i:i + args.batch_size].to(device), actions[i:i + args.batch_size].to(device)
+        for name in names:  # round-robin: load drift hits every configuration alike
+            run_config(name, bench, r, a, args.seed + i, args, results[name])
+        print(f"  episodes {i}..{i + r.shape[0] - 1} done")
+    n_rollouts = -(-real.shape[0] // args.batch_size)
+    out_json = summarise(results, n_rollouts * schedule.num_ar_steps(args.frames))
+    compare_bandits(results, out_json, bandits)
+    write_outputs(Path(args.out or Path(args.run) / "benchmarks" / "speculation"), args, results, out_json, bandits,
+                  schedule.name)
     return 0
 
 

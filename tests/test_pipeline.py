@@ -1,10 +1,13 @@
-"""Rollout: model calls follow the schedule's rows, commits are in order, cached == recomputing."""
+"""Rollout: model calls follow the schedule's rows, commits are in order, cached == recomputing, the eta
+default, pluggable row runners, the model protocol."""
 
 import pytest
 import torch
 
-from arvdm.config import Config, DiffusionConfig
+from arvdm.config import Config, DiffusionConfig, SamplingError
+from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline import PlainRows, RolloutContext, RolloutModel
 from arvdm.pipeline.rollout import rollout
 from arvdm.schedules.matrix import chunked, fifo, from_matrix, pyramid
 
@@ -71,6 +74,7 @@ def inputs(b=2, n_ctx=2, n_frames=7, seed=0):
 def run(model, sched, n_frames=7, seed=0, **kw):
     ctx, ctx_act, act = inputs(n_frames=n_frames)
     kw.setdefault("progress", False)
+    kw.setdefault("eta", 0.0)  # DDIM unless a test asks: these tests check the bookkeeping, not the noise
     return rollout(model, DIFF, sched, ctx, ctx_act, act, n_frames, generator=torch.Generator().manual_seed(seed),
                    **kw)
 
@@ -195,9 +199,63 @@ def test_no_context_and_progress_bar(capsys):
     assert "rollout (chunked)" in capsys.readouterr().err
 
 
+def test_eta_none_is_the_diffusions_own_and_is_checked():
+    sched = SCHEDULES["fifo"]
+    diff = PerFrameDiffusion(DiffusionConfig(num_levels=K, eta=0.3))
+    ctx, ctx_act, act = inputs()
+
+    def go(diffusion, **kw):
+        return rollout(StubModel(), diffusion, sched, ctx, ctx_act, act, 7, generator=torch.Generator().manual_seed(0),
+                       progress=False, **kw)
+
+    assert torch.equal(go(diff), go(diff, eta=0.3))  # None = diffusion.cfg.eta
+    assert DIFF.cfg.eta == 1.0 and torch.equal(go(DIFF), go(DIFF, eta=1.0))
+    assert not torch.equal(go(DIFF), go(DIFF, eta=0.0))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(SamplingError, match=r"rollout eta must be in \[0, 1\]"):
+            go(DIFF, eta=bad)
+
+
+class RecordingRows(PlainRows):
+    """A row runner that logs what the rollout tells it and runs the rows plainly."""
+
+    def __init__(self):
+        self.events = []
+
+    def start(self, rollout: RolloutContext) -> None:
+        self.events.append(("start", rollout.eta, rollout.batch_size, rollout.state is not None))
+        super().start(rollout)
+
+    def run_rows(self, x, rows, win_actions, stage, ar_step, frame_offset):
+        self.events.append(("rows", stage, ar_step, frame_offset, rows.shape[0] - 1))
+        return super().run_rows(x, rows, win_actions, stage, ar_step, frame_offset)
+
+    def commit(self, frames, actions):
+        self.events.append(("commit", frames.shape[1]))
+
+    def shift(self, delta):
+        self.events.append(("shift", delta))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_row_runner_is_driven_in_order_and_plain_rows_are_the_default(use_cache):
+    sched = SCHEDULES["chunked"]  # delta 3: 7 frames take 3 AR steps
+    runner = RecordingRows()
+    out = run(StubModel(), sched, eta=0.5, use_cache=use_cache, rows=runner)
+    assert torch.equal(out, run(StubModel(), sched, eta=0.5, use_cache=use_cache))
+    m, mi = sched.num_steps, sched.init_steps
+    assert runner.events == [("start", 0.5, 2, use_cache), ("commit", 2), ("rows", "init", -1, 0, mi),
+                             ("rows", "ar", 0, 0, m), ("commit", 3), ("shift", 3),
+                             ("rows", "ar", 1, 3, m), ("commit", 3), ("shift", 3), ("rows", "ar", 2, 6, m)]
+
+
+def test_models_satisfy_the_rollout_protocol():
+    assert isinstance(StubModel(), RolloutModel)
+    assert isinstance(tiny_denoiser(), RolloutModel)
+
+
 # -- the real denoiser -------------------------------------------------------------------------------------
 def tiny_denoiser(temporal_attention="factorized", frames_per_chunk=1):
-    model_mod = pytest.importorskip("arvdm.model")
     cfg = Config()
     m = cfg.model
     m.image_size, m.patch_size, m.dim, m.depth, m.heads, m.num_actions = 16, 4, 32, 2, 4, 6
@@ -205,7 +263,7 @@ def tiny_denoiser(temporal_attention="factorized", frames_per_chunk=1):
     cfg.memory.retention, cfg.memory.structure = "all", "prepend"
     cfg.diffusion.num_levels = K
     torch.manual_seed(0)
-    model = model_mod.Denoiser(cfg).eval()
+    model = Denoiser(cfg).eval()
     # The output layer and the AdaLN gates start at zero (v = 0 whatever the memory): randomise every
     # weight so that the past actually changes the prediction.
     with torch.no_grad():

@@ -13,7 +13,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.schedules.matrix import chunked
 from arvdm.speculative.bandits import FixedArm, UCBSpec
-from arvdm.speculative.rows import FROZEN, Speculation, make_speculation, tile_state
+from arvdm.speculative.rows import FROZEN, Speculation, SpeculativeRows, make_speculation, tile_state
 
 ALPHA = 1e-3
 K = 100
@@ -67,7 +67,7 @@ def test_linear_gaussian_chain_has_closed_form_law(draft_a, lookahead):
         torch.zeros(b, 1, dtype=torch.long)
     spec = Speculation(arms=[(lookahead, "d")], policy=FixedArm(1, 0), drafts={"d": draft})
     out = rollout(target, DIFF, sched, ctx, ctx_act, act, 1, eta=1.0, generator=torch.Generator().manual_seed(0),
-                  progress=False, speculation=spec)  # (B, 1, 1, 2, 2)
+                  progress=False, rows=SpeculativeRows(spec))  # (B, 1, 1, 2, 2)
     mu, var = closed_form(target, sched, 1.0)
     standardized = ((out.flatten() - mu) / math.sqrt(var)).numpy()  # 4 independent pixels per sample
     assert stats.kstest(standardized, "norm").pvalue > ALPHA
@@ -85,7 +85,7 @@ def test_level_binned_bandit_uses_one_policy_per_noise_level_bin():
     b = 64
     out = rollout(target, DIFF, chunked(1, K, 40), torch.zeros(b, 0, 1, 2, 2), torch.zeros(b, 0, dtype=torch.long),
                   torch.zeros(b, 1, dtype=torch.long), 1, eta=1.0, generator=torch.Generator().manual_seed(0),
-                  progress=False, speculation=spec)
+                  progress=False, rows=SpeculativeRows(spec))
     assert torch.isfinite(out).all()
     rounds = [p.t for p in spec.policy.policies]  # rounds each level bin's bandit played
     assert sum(rounds) == len(spec.rounds) and all(r > 0 for r in rounds)
@@ -98,7 +98,7 @@ def test_eta_zero_refused_with_reason():
     spec = Speculation(arms=[(2, FROZEN)], policy=FixedArm(1, 0))
     with pytest.raises(ValueError, match="needs eta > 0"):
         rollout(target, DIFF, chunked(1, K, 4), torch.zeros(1, 0, 1, 2, 2), torch.zeros(1, 0, dtype=torch.long),
-                torch.zeros(1, 1, dtype=torch.long), 1, eta=0.0, progress=False, speculation=spec)
+                torch.zeros(1, 1, dtype=torch.long), 1, eta=0.0, progress=False, rows=SpeculativeRows(spec))
 
 
 def test_speculation_checks_its_arms():
@@ -133,7 +133,7 @@ def tiny_rollout(model, b, seed, spec=None, n_frames=4, steps=4, use_cache=True)
     ctx, ctx_act, act = tiny_inputs(b)
     return rollout(model, PerFrameDiffusion(model.cfg.diffusion), chunked(2, K, steps), ctx, ctx_act, act,
                    n_frames, eta=1.0, generator=torch.Generator().manual_seed(seed), progress=False,
-                   speculation=spec, use_cache=use_cache)
+                   rows=None if spec is None else SpeculativeRows(spec), use_cache=use_cache)
 
 
 def test_draft_equal_to_target_reproduces_plain_sampling_bit_for_bit():

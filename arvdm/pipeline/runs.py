@@ -18,6 +18,7 @@ import torch
 from arvdm.config import SamplingError
 from arvdm.model.checkpoint import load_config, load_weights, resolve_checkpoint
 from arvdm.model.denoiser import Denoiser
+from data.dataset import ClipDataset, resolve_split
 
 
 def load_for_inference(run_dir: str | os.PathLike, use_ema: bool = True, device: str | torch.device = "cpu"):
@@ -42,8 +43,6 @@ def load_validation_episodes(root: str | os.PathLike, cfg, n_episodes: int, cont
     Returns video (N, T, C, H, W) in [-1, 1], actions (N, T) int64 and pose (N, T, 3) or None, with
     T = context + frames (frames=None: the longest T every chosen episode holds).
     """
-    from data.dataset import ClipDataset, resolve_split
-
     split = resolve_split(root, split)
     skip = cfg.data.frame_skip
     probe = ClipDataset(split, n_frames=1, frame_skip=skip, random_start=True, resize=cfg.data.resize,

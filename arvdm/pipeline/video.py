@@ -39,7 +39,7 @@ def side_by_side(real: torch.Tensor, fake: torch.Tensor, scale: int = 2, gap: in
 
 def write_video(path: str | os.PathLike, frames: np.ndarray, fps: int = 8) -> Path:
     """Write (T, H, W, 3) uint8 frames as .mp4 (libx264 via imageio-ffmpeg) or .gif, atomically."""
-    import imageio.v2 as imageio
+    import imageio.v2 as imageio  # lazy: imageio (+ its ffmpeg plugin) is slow to import; only writers need it
 
     path = Path(path)
 
@@ -80,7 +80,7 @@ def filmstrip(real: torch.Tensor, fake: torch.Tensor, columns: int = 10, scale: 
 
 def write_image(path: str | os.PathLike, image: np.ndarray) -> Path:
     """Write an (H, W, 3) uint8 image (PNG by suffix), atomically."""
-    import imageio.v2 as imageio
+    import imageio.v2 as imageio  # lazy: slow to import; only writers need it
 
     path = Path(path)
     atomic_write(path, lambda tmp: imageio.imwrite(tmp, image), suffix=path.suffix)

@@ -1,5 +1,11 @@
-"""Speculative denoising rows for ``pipeline.rollout`` (De Bortoli et al., arXiv 2501.05370; BanditSpec,
-arXiv 2505.15141).
+"""Speculative denoising rows: a row runner for ``pipeline.rollout`` (De Bortoli et al., arXiv 2501.05370;
+BanditSpec, arXiv 2505.15141).
+
+    spec = make_speculation("ucb", lookaheads=(1, 2, 3, 4))
+    video = rollout(model, diffusion, schedule, context, context_actions, actions, n, eta=1.0,
+                    generator=g, rows=SpeculativeRows(spec))      # spec.rounds / spec.checks filled in
+
+:class:`SpeculativeRows` implements ``arvdm.pipeline.rows.RowRunner``; the rollout knows nothing of it.
 
 Within one AR step the memory does not change, so the rows of the scheduling matrix are a Markov chain of
 Gaussian transitions x_{m+1} ~ N(mean_p(x_m), σ_m²) (``PerFrameDiffusion.transition``). A round:
@@ -34,7 +40,7 @@ import copy
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,16 +50,25 @@ import torch
 
 from arvdm.config import FROZEN_DRAFT as FROZEN
 from arvdm.errors import ArvdmError
-from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rows import RolloutContext
 from arvdm.speculative.bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec, hindsight_regret
 from arvdm.speculative.rules import gaussian_accept_or_reflect
+from data.atomic import atomic_write
 from memory import MemoryBank, MemoryFrames
 from memory.cache import KVCache
 
-__all__ = ["Speculation", "RoundRecord", "RowCheck", "tile_state", "make_speculation", "speculation_report",
-           "plot_arms", "FROZEN", "NO_DRAFT"]
+__all__ = ["Speculation", "SpeculativeRows", "SpeculationError", "RoundRecord", "RowCheck", "tile_state",
+           "make_speculation", "speculation_report", "plot_arms", "report_bin_width", "FROZEN", "NO_DRAFT",
+           "REPORT_LEVEL_BINS"]
 
 NO_DRAFT = "none"
+REPORT_LEVEL_BINS = 10  # reports bin the acceptance of drafted rows by noise level into tenths of K
+ARMS_PLOT_WINDOWS = 40  # plot_arms smooths rows per round with a running mean over 1/40 of the rounds
+
+
+def report_bin_width(num_levels: int) -> int:
+    """Width in noise levels of one acceptance-by-level bin of a report (K / ``REPORT_LEVEL_BINS``, >= 1)."""
+    return max(1, num_levels // REPORT_LEVEL_BINS)
 
 
 class SpeculationError(ArvdmError):
@@ -91,7 +106,7 @@ class RowCheck:
 
 @dataclass
 class Speculation:
-    """How ``rollout`` speculates its denoising rows, and what happened (filled in by the rollout).
+    """How a rollout speculates its denoising rows, and what happened (filled in by :class:`SpeculativeRows`).
 
     Args:
         arms: (lookahead L, draft name) per arm; L = 1 means a plain step (draft ignored).
@@ -179,22 +194,29 @@ def tile_state(obj: Any, copies: int) -> Any:
 
 
 class SpeculativeRows:
-    """Runs the rows of a scheduling matrix speculatively (used by ``pipeline.rollout``; see module doc)."""
+    """The speculative :class:`arvdm.pipeline.rows.RowRunner` (see the module docstring):
+    ``rollout(..., eta=1.0, rows=SpeculativeRows(spec))``; ``spec``'s ``rounds`` / ``checks`` / ``rows`` are
+    filled in. One runner per rollout is the rule (``start`` resets everything but ``spec``)."""
 
-    def __init__(self, spec: Speculation, model: Any, diffusion: PerFrameDiffusion, eta: float,
-                 generator: torch.Generator | None, batch: int, randn: Callable[..., torch.Tensor], *,
-                 state: Any = None, bank: MemoryBank | None = None):
-        if float(eta) <= 0:
-            raise SpeculationError("speculative sampling needs eta > 0: with eta = 0 every transition is deterministic "
-                             "(sigma = 0), a drafted row is accepted only if it equals the target's bit for bit, "
-                             "so speculation cannot save a target call")
-        self.spec, self.model, self.diffusion, self.eta = spec, model, diffusion, float(eta)
-        self.generator, self.batch, self.randn = generator, batch, randn
-        self.state, self.bank = state, bank
-        self.accept_generator = torch.Generator().manual_seed(spec.seed)
+    def __init__(self, spec: Speculation):
+        self.spec = spec
+
+    def start(self, rollout: RolloutContext) -> None:
+        """Bind to one rollout: refuse eta = 0 and recorded steps, seed the accept tests, start draft states."""
+        if rollout.eta <= 0:
+            raise SpeculationError("speculative sampling needs eta > 0: with eta = 0 every transition is "
+                                   "deterministic (sigma = 0), a drafted row is accepted only if it equals the "
+                                   "target's bit for bit, so speculation cannot save a target call")
+        if rollout.record is not None:
+            raise SpeculationError("return_intermediate is not available with speculation: samples move through "
+                                   "the rows at their own pace, there is no single model call per row to record")
+        self.rollout, self.model, self.diffusion, self.eta = rollout, rollout.model, rollout.diffusion, rollout.eta
+        self.batch = rollout.batch_size
+        self.accept_generator = torch.Generator().manual_seed(self.spec.seed)
         self._tiled: dict[int, Any] = {}
         # Draft models other than the target keep their own cached state, committed in lockstep.
-        self.draft_states = {name: (None if m is model else m.init_state(batch)) for name, m in spec.drafts.items()}
+        self.draft_states = {name: (None if m is self.model else m.init_state(self.batch))
+                             for name, m in self.spec.drafts.items()}
         self.v_newest: torch.Tensor | None = None  # newest target v-prediction (frozen draft)
 
     # -- memory ------------------------------------------------------------------------------------------------
@@ -214,14 +236,14 @@ class SpeculativeRows:
     # -- calls -------------------------------------------------------------------------------------------------
     def _target(self, x: torch.Tensor, levels: torch.Tensor, acts: torch.Tensor, copies: int) -> torch.Tensor:
         """Target v for ``copies`` stacked windows (copies·B, w, ...) in one call."""
-        if self.state is not None:
-            if copies == 1:
-                return self.model(x, levels, acts, state=self.state)
+        if copies == 1:
+            return self.rollout.predict(x, levels, acts)
+        if self.rollout.bank is None:
             if copies not in self._tiled:
-                self._tiled[copies] = tile_state(self.state, copies)
+                self._tiled[copies] = tile_state(self.rollout.state, copies)
             return self.model(x, levels, acts, state=self._tiled[copies])
-        mem = self.bank.memory()
-        if mem is not None and copies > 1:
+        mem = self.rollout.bank.memory()
+        if mem is not None:
             mem = MemoryFrames(tile_state(mem.frames, copies), tile_state(mem.actions, copies), mem.positions,
                                None if mem.poses is None else tile_state(mem.poses, copies))
         return self.model(x, levels, acts, memory=mem)
@@ -236,8 +258,8 @@ class SpeculativeRows:
 
     # -- rows --------------------------------------------------------------------------------------------------
     def run_rows(self, x: torch.Tensor, rows: torch.Tensor, win_actions: torch.Tensor, stage: str,
-                 ar_step: int) -> torch.Tensor:
-        """Take the window ``x`` (B, w, ...) from ``rows[0]`` to ``rows[-1]``.
+                 ar_step: int, frame_offset: int) -> torch.Tensor:
+        """Take the window ``x`` (B, w, ...) from ``rows[0]`` to ``rows[-1]`` (``RowRunner.run_rows``).
 
         Every sample keeps its own row ``pos[b]`` (levels are per sample anyway): a sample whose draft is
         rejected early does not hold back the others. A sample that reached the last row stays there
@@ -248,7 +270,7 @@ class SpeculativeRows:
         pos = torch.zeros(self.batch, dtype=torch.long, device=rows.device)  # (B,) row of every sample
         while int(pos.min()) < n_rows:
             t0 = time.perf_counter()
-            if hasattr(self.spec.policy, "set_context"):  # context = noise-level bin of the round's start
+            if isinstance(self.spec.policy, PerContext):  # context = noise-level bin of the round's start
                 level = float(rows[int(pos.min())].double().mean())  # mean level of the slowest sample's row
                 bins = len(self.spec.policy.policies)
                 self.spec.policy.set_context(min(bins - 1, int(level * bins / (self.diffusion.num_levels + 1))))
@@ -279,7 +301,7 @@ class SpeculativeRows:
         """Exactly a plain rollout's row (same call, same noise)."""
         lv_from, lv_to = self._levels(rows, pos)
         v = self._target(x, lv_from, win_actions, 1)  # (B, w, ch, H, W)
-        z = self.randn(x.shape)
+        z = self.rollout.noise(x.shape)
         self.v_newest = v
         return self.diffusion.step(x, v, lv_from, lv_to, self.eta, noise=z)
 
@@ -291,7 +313,7 @@ class SpeculativeRows:
             lv_from, lv_to = self._levels(rows, pos + i)  # (B, w) each
             v_q = self._draft(draft, ys[i], lv_from, win_actions)
             mean_q, sigma = self.diffusion.transition(ys[i], v_q, lv_from, lv_to, self.eta)
-            z = self.randn(x.shape)  # (B, w, ch, H, W), in a plain rollout's order
+            z = self.rollout.noise(x.shape)  # (B, w, ch, H, W), in a plain rollout's order
             ys.append(mean_q + sigma * z)  # exactly diffusion.step's arithmetic
             means_q.append(mean_q)
             zs.append(z)
@@ -394,10 +416,9 @@ def speculation_report(spec: Speculation, seconds: float, frames: int, level_bin
 def plot_arms(runs: dict[str, Sequence[Speculation]], path: str | os.PathLike, title: str = "") -> Path:
     """Arms chosen over the rounds (top) and rows advanced per round (bottom); one column per policy, its
     rollouts one after another (dashed lines between them), since one policy learns across them."""
+    # lazy: matplotlib is slow to import and only the reports draw
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from data.atomic import atomic_write
 
     fig = Figure(figsize=(5 * len(runs) + 1, 5), dpi=100)
     FigureCanvasAgg(fig)
@@ -407,7 +428,7 @@ def plot_arms(runs: dict[str, Sequence[Speculation]], path: str | os.PathLike, t
         arms = np.array([r.arm for spec in specs for r in spec.rounds])
         rows = np.array([r.rows for spec in specs for r in spec.rounds])
         ax_arm.plot(np.arange(len(arms)), arms, ".", ms=2)
-        k = max(1, len(rows) // 40)  # running mean over ~2.5% of the rounds
+        k = max(1, len(rows) // ARMS_PLOT_WINDOWS)  # running-mean width
         ax_rows.plot(np.arange(len(rows) - k + 1) + k // 2, np.convolve(rows, np.ones(k) / k, mode="valid"), lw=1)
         edge = 0
         for spec in specs[:-1]:

@@ -81,7 +81,10 @@ def gaussian_accept_or_reflect(z: torch.Tensor, mean_draft: torch.Tensor, mean_t
 
 
 def gaussian_acceptance_probability(delta_norm: float | torch.Tensor) -> torch.Tensor:
-    """P(accept) = 1 − TV(N(0, I), N(Δ, I)) = 2Φ(−‖Δ‖/2) for the Gaussian rule."""
+    """P(accept) = 1 − TV(N(0, I), N(Δ, I)) = 2Φ(−‖Δ‖/2) for the Gaussian rule.
+
+    Public API (docs/INTERFACES.md): the closed form a caller checks the observed acceptance of
+    :func:`gaussian_accept_or_reflect` against (the rollout itself does not need it)."""
     d = torch.as_tensor(delta_norm, dtype=torch.float64)
     return torch.special.ndtr(-d / 2) * 2
 
@@ -89,6 +92,9 @@ def gaussian_acceptance_probability(delta_norm: float | torch.Tensor) -> torch.T
 def token_accept_or_resample(token: torch.Tensor, probs_draft: torch.Tensor, probs_target: torch.Tensor,
                              u: torch.Tensor, u_resample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The token rule: keep a drafted token with probability min(1, p/q), else resample from norm(max(0, p − q)).
+
+    Public API (DESIGN.md promises the token rule; docs/INTERFACES.md): for discrete drafts, e.g. a token
+    model's next token. The video rollout uses the Gaussian rule only.
 
     Args:
         token: (batch,) int64 tokens drawn from ``probs_draft``.

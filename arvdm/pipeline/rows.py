@@ -1,0 +1,141 @@
+"""Row runners: how a rollout takes its window through the rows of a scheduling matrix.
+
+    from arvdm.pipeline.rows import PlainRows, RolloutContext, RowRunner
+
+:func:`arvdm.pipeline.rollout.rollout` owns the window, the memory and the schedule; per matrix (the
+initialization stage's, then ``S`` once per AR step) it hands the window to a :class:`RowRunner`, which
+returns it at the matrix's last row. :class:`PlainRows` (the default) makes one model call per row;
+``arvdm.speculative.rows.SpeculativeRows`` drafts several rows and verifies them in one batched call. A
+runner sees the rollout through a :class:`RolloutContext`: the model, the transitions, eta, the noise
+source and the past frames.
+
+Contract of a runner: every random number comes from ``RolloutContext.noise`` (the rollout's generator),
+drawn in the order a plain rollout draws them, so that a rollout is reproducible from its seed; a runner
+never commits frames itself (the rollout does, then tells it through :meth:`RowRunner.commit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout_model import RolloutModel
+from memory import MemoryBank
+
+__all__ = ["RolloutStep", "RolloutContext", "RowRunner", "PlainRows"]
+
+
+class RolloutStep(NamedTuple):
+    """One denoising call of a rollout (returned with ``return_intermediate=True``).
+
+    ``stage`` is ``"init"`` or ``"ar"``; ``ar_step`` counts AR steps (−1 in the init stage); ``row`` is
+    the matrix row ``m`` the call starts from; ``frame_offset`` is the index (among generated frames) of the
+    window's first frame; ``levels_from``/``levels_to`` are (w,) int64; ``x`` is the window after the
+    call and ``x0`` the model's clean-frame prediction at the call, both (B, w, C, H, W).
+    """
+
+    stage: str
+    ar_step: int
+    row: int
+    frame_offset: int
+    levels_from: torch.Tensor
+    levels_to: torch.Tensor
+    x: torch.Tensor
+    x0: torch.Tensor
+
+
+def _standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Standard normal noise from ``generator`` (drawn on the generator's device, then moved)."""
+    gdev = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=gdev, dtype=dtype).to(device)
+
+
+@dataclass
+class RolloutContext:
+    """One rollout as its row runner sees it (built by ``rollout``, handed to :meth:`RowRunner.start`).
+
+    Exactly one of ``state`` (``use_cache=True``: the model's KV caches + bank) and ``bank`` (``use_cache=False``:
+    a bank under the model's retention policy, handed over in full at every call) is set. ``record`` is a
+    list to append one :class:`RolloutStep` per model call to (``return_intermediate=True``), else None.
+    """
+
+    model: RolloutModel
+    diffusion: PerFrameDiffusion
+    eta: float
+    generator: torch.Generator | None
+    batch_size: int
+    device: torch.device
+    dtype: torch.dtype
+    state: Any = None
+    bank: MemoryBank | None = None
+    record: list[RolloutStep] | None = None
+
+    def noise(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The next standard normal draw of the rollout's generator."""
+        return _standard_normal(shape, self.generator, self.device, self.dtype)
+
+    def predict(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """The model's v (B, w, C, H, W) for the window ``x`` at ``levels`` (B, w), given the whole past."""
+        if self.bank is None:
+            return self.model(x, levels, actions, state=self.state)
+        return self.model(x, levels, actions, memory=self.bank.memory())  # the whole past, recomputed
+
+    def commit(self, frames: torch.Tensor, actions: torch.Tensor) -> None:
+        """Frames (B, n, C, H, W) that left the window, with their (B, n) actions, into the past."""
+        if self.bank is None:
+            self.model.commit(self.state, frames, actions)
+        else:
+            self.bank.append(frames, actions)
+
+
+class RowRunner(Protocol):
+    """Takes a rollout's window through the rows of a scheduling matrix (see the module docstring)."""
+
+    def start(self, rollout: RolloutContext) -> None:
+        """Once per rollout, after its past is made and before the context frames are committed."""
+
+    def run_rows(self, x: torch.Tensor, rows: torch.Tensor, win_actions: torch.Tensor, stage: str, ar_step: int,
+                 frame_offset: int) -> torch.Tensor:
+        """Take the window ``x`` (B, w, C, H, W) from the levels ``rows[0]`` to ``rows[-1]`` (``rows``:
+        (R+1, w) int64) with the window's actions ``win_actions`` (B, w). ``stage`` (``"init"`` | ``"ar"``),
+        ``ar_step`` (−1 in the init stage) and ``frame_offset`` (the window's first generated frame) say
+        where the rollout is. Returns the window at ``rows[-1]``."""
+
+    def commit(self, frames: torch.Tensor, actions: torch.Tensor) -> None:
+        """The rollout committed ``frames`` (B, n, C, H, W) with ``actions`` (B, n) to its past."""
+
+    def shift(self, delta: int) -> None:
+        """The window moved by ``delta`` frames; ``delta`` pure-noise frames entered at its end."""
+
+
+class PlainRows:
+    """The default runner: one model call per row, ``x_{m+1} = diffusion.step(x_m, v, S[m], S[m+1], eta, z)``
+    with ``z`` drawn after the call when eta > 0 (deterministic DDIM draws nothing)."""
+
+    def start(self, rollout: RolloutContext) -> None:
+        self.rollout = rollout
+
+    def run_rows(self, x: torch.Tensor, rows: torch.Tensor, win_actions: torch.Tensor, stage: str, ar_step: int,
+                 frame_offset: int) -> torch.Tensor:
+        r = self.rollout
+        rows_b = rows.unsqueeze(1).expand(-1, r.batch_size, -1)  # (R+1, B, w) views: every sample on the row
+        for m in range(rows.shape[0] - 1):
+            lv_from, lv_to = rows_b[m], rows_b[m + 1]  # (B, w) each
+            v = r.predict(x, lv_from, win_actions)  # (B, w, ch, H, W)
+            z = r.noise(x.shape) if r.eta > 0 else None
+            x_new = r.diffusion.step(x, v, lv_from, lv_to, r.eta, noise=z)
+            if r.record is not None:
+                r.record.append(RolloutStep(stage, ar_step, m, frame_offset, rows[m].clone(), rows[m + 1].clone(),
+                                            x_new.clone(), r.diffusion.pred_x0(x, v, lv_from)))
+            x = x_new
+        return x
+
+    def commit(self, frames: torch.Tensor, actions: torch.Tensor) -> None:
+        pass  # the past lives in the rollout's state / bank
+
+    def shift(self, delta: int) -> None:
+        pass  # nothing of the window is kept between rows
