@@ -47,7 +47,7 @@ from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
-from arvdm.schedules.matrix import ARSchedule, get_schedule
+from arvdm.schedules.presets import ARSchedule, get_schedule
 from arvdm.speculative.rows import (
     Speculation,
     SpeculativeRows,
@@ -76,6 +76,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     if settings.eta is None:  # the run's own sampling eta (diffusion.eta), recorded as used
         settings = dataclasses.replace(settings, eta=cfg.diffusion.eta)
     model, _ = wrap_for_sampling(model, cfg, run_dir, settings.hybrid)  # lazy layers stream when asked
+    hybrid = model if isinstance(model, HybridModel) else None  # before compiling wraps it
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     if settings.compile:
         model = compile_for_sampling(model)
@@ -97,8 +98,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     if cmp is not None:
         summary.update(first_frames=cmp["first_frames"], gradient_ratio_first16=cmp["gradient_ratio_first16"],
                        verdict=cmp["verdict"]["message"])
-    if isinstance(model, HybridModel):
-        summary["hybrid"] = model.summary()
+    if hybrid is not None:
+        summary["hybrid"] = hybrid.summary()
     if specs:
         paths.update(write_speculation(out, settings, schedule, specs, reports))
         summary["speculation"] = [{k: v for k, v in rep.items() if not k.endswith("_trace") and k != "arm_per_round"}

@@ -28,12 +28,12 @@ from pathlib import Path
 
 def measure(iters: int) -> dict[str, float]:
     """One round of every measurement in this process (whatever tree its imports come from)."""
-    # lazy: imported after --one-round has put the tree to measure first on sys.path
+    # Imported here, after --one-round has put the tree to measure first on sys.path.
     import torch
 
-    from arvdm.config import DiffusionConfig
-    from arvdm.model.diffusion import PerFrameDiffusion
-    from memory import KVCache, MemoryBank, RetentionPolicy
+    from arvdm.config import DiffusionConfig  # lazy: from the tree under measurement
+    from arvdm.model.diffusion import PerFrameDiffusion  # lazy: from the tree under measurement
+    from memory import KVCache, MemoryBank, RetentionPolicy  # lazy: from the tree under measurement
 
     torch.set_num_threads(1)
     out: dict[str, float] = {}

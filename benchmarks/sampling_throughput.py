@@ -32,7 +32,7 @@ from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
 from arvdm.pipeline.rollout import rollout  # noqa: E402
 from arvdm.pipeline.runs import load_for_inference  # noqa: E402
 from arvdm.sampling import compile_for_sampling  # noqa: E402
-from arvdm.schedules.matrix import get_schedule  # noqa: E402
+from arvdm.schedules.presets import get_schedule  # noqa: E402
 
 SMOKE = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=1", "model.heads=2",
          "memory.length=4", "train.window=4"]

@@ -30,7 +30,7 @@ from arvdm.model.denoiser import Denoiser  # noqa: E402
 from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
 from arvdm.pipeline.rollout import rollout  # noqa: E402
 from arvdm.pipeline.runs import load_for_inference  # noqa: E402
-from arvdm.schedules.matrix import get_schedule  # noqa: E402
+from arvdm.schedules.presets import get_schedule  # noqa: E402
 from benchmarks.common import print_table, set_threads  # noqa: E402
 
 

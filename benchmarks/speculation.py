@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
 from arvdm.pipeline.rollout import rollout  # noqa: E402
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes  # noqa: E402
-from arvdm.schedules.matrix import get_schedule  # noqa: E402
+from arvdm.schedules.presets import get_schedule  # noqa: E402
 from arvdm.speculative.bandits import hindsight_regret  # noqa: E402
 from arvdm.speculative.rows import FROZEN, SpeculativeRows, make_speculation, plot_arms, report_bin_width  # noqa: E402
 from benchmarks.common import print_table, set_threads  # noqa: E402

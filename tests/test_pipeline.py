@@ -9,7 +9,7 @@ from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline import PlainRows, RolloutContext, RolloutModel
 from arvdm.pipeline.rollout import rollout
-from arvdm.schedules.matrix import chunked, fifo, from_matrix, pyramid
+from arvdm.schedules.presets import chunked, fifo, from_matrix, pyramid
 
 K = 100
 DIFF = PerFrameDiffusion(DiffusionConfig(num_levels=K))

@@ -11,7 +11,7 @@ from arvdm.config import Config, DiffusionConfig, apply_overrides, get_preset
 from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
-from arvdm.schedules.matrix import chunked
+from arvdm.schedules.presets import chunked
 from arvdm.speculative.bandits import FixedArm, UCBSpec
 from arvdm.speculative.rows import FROZEN, Speculation, SpeculativeRows, make_speculation, tile_state
 

@@ -228,7 +228,7 @@ def test_tiny_model_overfits_one_clip(tmp_path):
     try:
         from arvdm.evaluation.metrics import psnr_per_frame
         from arvdm.pipeline.rollout import rollout
-        from arvdm.schedules.matrix import get_schedule
+        from arvdm.schedules.presets import get_schedule
     except ImportError as e:
         pytest.skip(f"needs the rollout pipeline: {e}")
     m, w, size = 2, 4, 16

@@ -119,7 +119,7 @@ def test_compiled_rollout_matches_eager(monkeypatch, use_cache):
     from arvdm.model.diffusion import PerFrameDiffusion
     from arvdm.pipeline.rollout import rollout
     from arvdm.sampling import compile_for_sampling
-    from arvdm.schedules.matrix import fifo
+    from arvdm.schedules.presets import fifo
 
     _aot_eager(monkeypatch)
     torch._dynamo.reset()

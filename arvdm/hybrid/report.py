@@ -46,7 +46,7 @@ from arvdm.model.checkpoint import run_folder
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
-from arvdm.schedules.matrix import get_schedule
+from arvdm.schedules.presets import get_schedule
 from data.atomic import atomic_write_text
 from memory import MemoryFrames
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from arvdm.schedules.schedule import ARSchedule, ScheduleError
+from arvdm.schedules.matrix import ARSchedule, ScheduleError
 
 __all__ = ["load_schedule"]
 

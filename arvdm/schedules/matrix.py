@@ -1,139 +1,339 @@
-"""Scheduling matrices by name: the paper's presets from one builder, a user's own matrix, a preset or a file.
+"""Meta-ARVDM scheduling matrices: which noise level every window frame has at every denoising step.
 
-The three presets of Meta-ARVDM (arXiv 2503.10704) come out of one builder (:func:`from_level_fn`):
+An auto-regressive video diffusion model generates a long video with a sliding window of ``w`` frames.
+Meta-ARVDM (Wang, Zhang, Li et al., arXiv 2503.10704, Sec. 3) describes every such sampler by
 
-    >>> chunked(window=4, num_levels=1000, steps=4).matrix      # outpainting, Δ = w
-    >>> fifo(window=4, num_levels=1000).matrix                   # FIFO / rolling diffusion, Δ = 1
-    >>> pyramid(window=4, num_levels=1000, steps=4).matrix       # Diffusion Forcing pyramid, Δ = w
-    >>> get_schedule("fifo", window=4, num_levels=1000, steps=8)  # a preset (or a file) at equal steps
+* ``Δ`` (``delta``): frames finished per auto-regressive (AR) step,
+* ``w`` (``window``): frames the denoiser sees at once,
+* the AR-step scheduling matrix ``S`` of shape ``(M+1, w)``: ``S[m, j]`` is the integer noise level of
+  window frame ``j`` after ``m`` of the step's ``M`` denoising calls (0 = clean, ``K`` = pure noise).
+  Row 0 is the input levels ``t^I``, row ``M`` the output levels ``t^O``,
+* an initialization stage that brings a pure-noise window (all ``K``) to ``t^I`` in ``M_init`` calls.
 
-The schedule object and its conditions are :class:`arvdm.schedules.schedule.ARSchedule`; files are read by
-arvdm.schedules.files. ``python -m arvdm.schedules --plot docs/schedules.png`` draws the presets
-(arvdm.schedules.plots).
+A valid matrix satisfies the framework's conditions, checked when an :class:`ARSchedule` is built:
+
+* column monotonicity: every column is non-increasing down the rows (a frame is never re-noised);
+* monotonicity: within a row, levels are non-decreasing with the frame index (older frames are cleaner);
+* circularity: ``t^O[j+Δ] = t^I[j]`` (after the step the window shifts by Δ and keeps its levels);
+* 0–T boundary: ``t^O[0:Δ] = 0`` (Δ frames leave clean) and ``t^I[w−Δ:w] = K`` (new frames enter as noise).
+
+This file is the schedule object and its conditions; the presets and the lookup by name are in
+arvdm.schedules.presets, schedule files in arvdm.schedules.files, pictures in arvdm.schedules.plots.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from arvdm.config import SCHEDULE_PRESETS
-from arvdm.schedules.files import load_schedule
-from arvdm.schedules.schedule import ARSchedule, ScheduleError, integer_arg, round_half_up
+from arvdm.errors import ArvdmError
+from data.atomic import atomic_write
 
-__all__ = ["PRESETS", "ARSchedule", "ScheduleError", "chunked", "fifo", "from_level_fn", "from_matrix",
-           "get_schedule", "load_schedule", "pyramid"]
-
-PRESETS = SCHEDULE_PRESETS  # the preset names get_schedule builds
+__all__ = ["ARSchedule", "ScheduleError", "Transition", "integer_arg", "round_half_up"]
 
 
-def from_level_fn(level: Callable[[int, int], Fraction | int], *, window: int, delta: int, num_levels: int,
-                  num_steps: int, init_steps: int | None = None, name: str = "custom") -> ARSchedule:
-    """Build a schedule from a level function: ``S[m, j] = clip(round(level(m, j)), 0, K)``.
+class ScheduleError(ArvdmError):
+    """A scheduling matrix violates one of the Meta-ARVDM conditions, or a schedule cannot be built/loaded.
 
-    ``level`` gets the row ``m`` in ``0..num_steps`` and the frame ``j`` in ``0..window-1`` and returns a
-    rational (``fractions.Fraction``) or integer level; rounding is exact, half up. All presets go through
-    here. A preset whose rounding makes two consecutive rows equal (a model call that changes nothing) is
-    refused: use fewer steps or more levels.
+    ``condition`` names the violated condition (``"shape"``, ``"integer"``, ``"range"``, ``"delta"``,
+    ``"column monotonicity"``, ``"monotonicity"``, ``"0-T boundary"``, ``"circularity"``, ``"init_steps"``,
+    ``"degenerate"``, ``"argument"``, ``"file"``); the message also says where (row/column) and the values.
     """
-    for what, v, lo in (("window", window, 1), ("num_levels", num_levels, 1), ("num_steps", num_steps, 1)):
-        if integer_arg(what, v) < lo:
-            raise ScheduleError("argument", f"{name}: {what} must be >= {lo}, got {v}")
-    K = int(num_levels)
-    S = np.array([[min(max(round_half_up(Fraction(level(m, j))), 0), K) for j in range(window)]
-                  for m in range(num_steps + 1)], dtype=np.int64)  # (M+1, w)
-    same = np.flatnonzero((S[1:] == S[:-1]).all(axis=1))
-    if len(same):
-        r = int(same[0])
-        raise ScheduleError("degenerate", f"{name}: rows {r} and {r + 1} are identical ({S[r].tolist()}), so "
-                            f"a model call would change nothing; {num_steps} steps over K={K} levels and "
-                            f"w={window} frames is too fine — use fewer steps or more levels")
-    return ARSchedule(S, delta, K, init_steps=init_steps, name=name)
+
+    def __init__(self, condition: str, message: str):
+        super().__init__(f"{condition}: {message}")
+        self.condition = condition
 
 
-def from_matrix(matrix: Any, delta: int, num_levels: int, init_steps: int | None = None,
-                name: str = "custom") -> ARSchedule:
-    """A schedule from a user's own matrix (nested list / numpy / torch, (M+1, w) integer levels), checked.
+class Transition(NamedTuple):
+    """One denoising call of a rollout: every window frame goes from ``levels_from[j]`` to ``levels_to[j]``.
 
-    Public API for matrices that no preset makes; the same as ``ARSchedule(matrix, delta, num_levels, ...)``.
+    ``stage`` is ``"init"`` or ``"ar"``; ``ar_step`` counts AR steps (``-1`` in the init stage); ``row`` is
+    the row index ``m`` of ``levels_from`` in its matrix; ``frame_offset`` is the absolute index (among the
+    generated frames) of the window's first frame.
     """
-    return ARSchedule(matrix, delta, num_levels, init_steps=init_steps, name=name)
+
+    stage: str
+    ar_step: int
+    row: int
+    frame_offset: int
+    levels_from: np.ndarray  # (w,) int64
+    levels_to: np.ndarray  # (w,) int64
 
 
-def chunked(window: int, num_levels: int, steps: int, *, init_steps: int | None = None) -> ARSchedule:
-    """Chunked AR / outpainting: Δ = w, all frames move together from K to 0 in ``steps`` calls.
+class ARSchedule:
+    """An AR-step scheduling matrix ``S`` (M+1, w) with Δ, K and the initialization stage; immutable.
 
-    ``S[m, j] = round(K·(M − m)/M)`` with M = ``steps``; t^I is all K so there is no initialization stage.
+    Args:
+        matrix: integer noise levels (M+1, w) — a nested list, numpy array or torch tensor; M >= 1.
+        delta: Δ, frames that leave the window clean after each AR step, ``1 <= Δ <= w``.
+        num_levels: K, the pure-noise level (levels are ``0..K``).
+        init_steps: M_init, denoising calls that take an all-K window to ``t^I``. ``None`` picks the
+            default: 0 when ``t^I`` is all K (e.g. chunked, pyramid), otherwise as many calls as needed
+            for the initialization to descend no faster per call than the fastest column of ``S``
+            (for FIFO with one call per shift: ``w − 1``).
+        name: a label (``"chunked"``, ``"fifo"``, ``"pyramid"``, ``"custom"``, a file name).
+
+    Raises:
+        ScheduleError: naming the violated condition, the row/column and the offending values.
     """
-    M = integer_arg("steps", steps)
-    return from_level_fn(lambda m, j: Fraction(num_levels * (M - m), max(M, 1)), window=window, delta=window,
-                         num_levels=num_levels, num_steps=M, init_steps=init_steps, name="chunked")
+
+    __slots__ = ("_delta", "_init_steps", "_matrix", "_name", "_num_levels")
+
+    def __init__(self, matrix: Any, delta: int, num_levels: int, init_steps: int | None = None,
+                 name: str = "custom"):
+        num_levels = integer_arg("num_levels", num_levels)
+        if num_levels < 1:
+            raise ScheduleError("argument", f"num_levels K must be >= 1, got {num_levels}")
+        m = _as_level_array(matrix)
+        _check_matrix(m, integer_arg("delta", delta), num_levels)
+        m.setflags(write=False)
+        object.__setattr__(self, "_matrix", m)
+        object.__setattr__(self, "_delta", int(delta))
+        object.__setattr__(self, "_num_levels", num_levels)
+        object.__setattr__(self, "_name", str(name))
+        object.__setattr__(self, "_init_steps", self._resolve_init_steps(init_steps))
+
+    def __setattr__(self, key: str, value: Any) -> None:  # frozen, like a frozen dataclass
+        raise AttributeError(f"ARSchedule is immutable; build a new one instead of setting {key!r}")
+
+    # -- the definition ---------------------------------------------------------------------------
+    @property
+    def matrix(self) -> np.ndarray:
+        """The AR-step matrix S, int64 (M+1, w), read-only."""
+        return self._matrix
+
+    @property
+    def delta(self) -> int:
+        """Δ: frames finished (and committed to memory) per AR step."""
+        return self._delta
+
+    @property
+    def num_levels(self) -> int:
+        """K: the pure-noise level."""
+        return self._num_levels
+
+    @property
+    def init_steps(self) -> int:
+        """M_init: denoising calls of the initialization stage (0 when t^I is all K)."""
+        return self._init_steps
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def window(self) -> int:
+        """w: frames in the window."""
+        return self._matrix.shape[1]
+
+    @property
+    def num_steps(self) -> int:
+        """M: denoising calls (model evaluations) per AR step."""
+        return self._matrix.shape[0] - 1
+
+    @property
+    def t_in(self) -> np.ndarray:
+        """t^I = S[0], the window's levels when an AR step starts, (w,)."""
+        return self._matrix[0]
+
+    @property
+    def t_out(self) -> np.ndarray:
+        """t^O = S[M], the window's levels when an AR step ends, (w,)."""
+        return self._matrix[-1]
+
+    # -- derived matrices ---------------------------------------------------------------------------
+    def init_matrix(self) -> np.ndarray:
+        """The initialization stage: (M_init + 1, w) int64 levels from an all-K window to ``t^I``.
+
+        Row ``s`` is ``max(t^I, round(K − s·(K − min t^I)/M_init))`` (rounded half up): a ceiling that falls
+        evenly from K to the cleanest input level, clipped below by t^I. Row 0 is all K, row M_init is
+        ``t^I``, every column is non-increasing and (for M_init <= K − min t^I) no call is wasted. For FIFO
+        this grows the ramp from the noise end. With ``t^I`` all K (chunked, pyramid) the stage is empty:
+        a single all-K row, no transitions.
+        """
+        K, n, t_in = self._num_levels, self._init_steps, self._matrix[0]
+        if n == 0:
+            return np.full((1, self.window), K, dtype=np.int64)
+        lo = int(t_in.min())
+        ceiling = np.array([round_half_up(K - Fraction(s * (K - lo), n)) for s in range(n + 1)], dtype=np.int64)
+        return np.maximum(t_in[None, :], ceiling[:, None])  # (M_init+1, w)
+
+    def num_ar_steps(self, n_frames: int) -> int:
+        """AR steps needed to emit ``n_frames`` frames: ceil(n_frames / Δ)."""
+        return -(-int(n_frames) // self._delta)
+
+    def num_calls(self, n_frames: int) -> int:
+        """Model evaluations a rollout of ``n_frames`` frames makes: M_init + ceil(n / Δ)·M."""
+        return self._init_steps + self.num_ar_steps(n_frames) * self.num_steps
+
+    def transitions(self, n_frames: int) -> Iterator[Transition]:
+        """Every denoising call of a rollout that emits ``n_frames`` frames, in order.
+
+        The initialization rows come first, then ceil(n_frames/Δ) AR steps of M calls each; after each AR
+        step the window moves by Δ frames (``frame_offset`` grows by Δ).
+        """
+        init = self.init_matrix()
+        for s in range(init.shape[0] - 1):
+            yield Transition("init", -1, s, 0, init[s], init[s + 1])
+        for a in range(self.num_ar_steps(n_frames)):
+            for m in range(self.num_steps):
+                yield Transition("ar", a, m, a * self._delta, self._matrix[m], self._matrix[m + 1])
+
+    def timeline(self, n_frames: int) -> np.ndarray:
+        """Level of every frame at every call of a rollout, for plots: float (calls + 1, frames).
+
+        Columns are absolute frame indices (all frames that ever enter the window); row ``i`` holds the
+        levels *before* call ``i`` (the last row: after the last call). ``nan`` marks a frame not yet in the
+        window; a frame that has left the window is clean and reads ``-1`` (so plots can grey it out).
+        """
+        trans = list(self.transitions(n_frames))
+        total = self.num_ar_steps(n_frames) * self._delta + self.window - self._delta
+        out = np.full((len(trans) + 1, total), np.nan)
+        for i, t in enumerate(trans):
+            out[i, :t.frame_offset] = -1.0
+            out[i, t.frame_offset:t.frame_offset + self.window] = t.levels_from
+        last = trans[-1]
+        out[-1, :last.frame_offset] = -1.0
+        out[-1, last.frame_offset:last.frame_offset + self.window] = last.levels_to
+        return out
+
+    # -- (de)serialisation --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self._name, "delta": self._delta, "num_levels": self._num_levels,
+                "init_steps": self._init_steps, "matrix": self._matrix.tolist()}
+
+    def to_json(self) -> str:
+        """JSON with one matrix row per line (so a schedule file reads like the matrix it holds)."""
+        rows = ",\n    ".join(json.dumps(r) for r in self._matrix.tolist())
+        head = {k: v for k, v in self.to_dict().items() if k != "matrix"}
+        body = ",\n  ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in head.items())
+        return "{\n  " + body + ',\n  "matrix": [\n    ' + rows + "\n  ]\n}\n"
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the schedule as JSON (see :func:`load_schedule`), atomically: temp file, fsync, rename."""
+        path = Path(path)
+        if path.suffix.lower() != ".json":
+            raise ScheduleError("file", f"{path}: ARSchedule.save writes JSON; use a .json file name")
+        atomic_write(path, lambda tmp: tmp.write_text(self.to_json()))  # readers see old or whole new file
+        return path
+
+    # -- python protocol ----------------------------------------------------------------------------
+    def _key(self) -> tuple:
+        return (self._delta, self._num_levels, self._init_steps, self._matrix.shape, self._matrix.tobytes())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ARSchedule):
+            return NotImplemented
+        return self._key() == other._key()  # the name is a label, not part of the schedule
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        rows = "\n".join("    " + " ".join(f"{v:>{len(str(self._num_levels))}d}" for v in r) for r in self._matrix)
+        return (f"ARSchedule(name={self._name!r}, window={self.window}, delta={self._delta}, "
+                f"num_levels={self._num_levels}, num_steps={self.num_steps}, init_steps={self._init_steps},"
+                f" matrix=\n{rows})")
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _resolve_init_steps(self, init_steps: int | None) -> int:
+        K, t_in, t_out = self._num_levels, self._matrix[0], self._matrix[-1]
+        all_noise = bool((t_in == K).all())
+        if init_steps is None:
+            if all_noise:
+                return 0
+            # Descend no faster per call than the fastest column of S does during an AR step.
+            # (Some column drops: the boundary forces t^O[0] = 0 < K = t^I[w-1] and circularity links them.)
+            rate = Fraction(int((t_in - t_out).max()), self.num_steps)
+            return max(1, math.ceil(Fraction(K - int(t_in.min())) / rate))
+        init_steps = integer_arg("init_steps", init_steps)
+        if all_noise and init_steps != 0:
+            raise ScheduleError("init_steps", f"t^I (row 0) is already all K={K}, so the initialization "
+                                f"stage is empty and init_steps must be 0; got {init_steps}")
+        if not all_noise and init_steps < 1:
+            j = int(np.argmax(t_in != K))
+            raise ScheduleError("init_steps", f"t^I (row 0) is not all K={K} (column {j} is {int(t_in[j])}), "
+                                f"so init_steps must be >= 1 to bring a pure-noise window to t^I; got {init_steps}")
+        return init_steps
 
 
-def fifo(window: int, num_levels: int, steps_per_shift: int = 1, *, init_steps: int | None = None) -> ARSchedule:
-    """FIFO-Diffusion / rolling diffusion: Δ = 1, a diagonal ramp of levels that slides one frame per step.
-
-    ``S[m, j] = round(K·(j + 1 − m/M)/w)`` with M = ``steps_per_shift``: frame j of the window enters a step
-    at ``K(j+1)/w`` and leaves it at ``Kj/w``, so t^O[0] = 0, t^I[w−1] = K and t^O[j+1] = t^I[j]. Every
-    frame takes ``w·M`` calls from K to 0.
-    """
-    M = integer_arg("steps_per_shift", steps_per_shift)
-    w = integer_arg("window", window)
-    return from_level_fn(lambda m, j: Fraction(num_levels * ((j + 1) * M - m), w * max(M, 1)), window=w,
-                         delta=1, num_levels=num_levels, num_steps=M, init_steps=init_steps, name="fifo")
+def integer_arg(what: str, value: Any) -> int:
+    """``value`` as an int when it is an integer (an integral float too), else ScheduleError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, (float, np.floating)) and float(value).is_integer():
+            return int(value)
+        raise ScheduleError("argument", f"{what} must be an integer, got {value!r}")
+    return int(value)
 
 
-def pyramid(window: int, num_levels: int, steps: int, stagger: int = 1, *,
-            init_steps: int | None = None) -> ARSchedule:
-    """Diffusion Forcing's pyramid: Δ = w, frame j starts denoising ``stagger`` calls after frame j − 1.
+def _as_level_array(matrix: Any) -> np.ndarray:
+    """Convert to an int64 (M+1, w) array, checking shape and integrality (not yet the range)."""
+    if hasattr(matrix, "detach"):  # a torch tensor, without importing torch here
+        matrix = matrix.detach().cpu().numpy()
+    try:
+        a = np.array(matrix)
+    except ValueError as e:  # ragged nested lists
+        raise ScheduleError("shape", f"matrix must be a rectangular (M+1, w) grid: {e}") from None
+    if a.ndim != 2 or a.shape[0] < 2 or a.shape[1] < 1:
+        raise ScheduleError("shape", f"matrix must be 2-D (M+1, w) with M >= 1 denoising steps and w >= 1 "
+                            f"frames; got shape {tuple(a.shape)}")
+    if a.dtype == bool or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+        raise ScheduleError("integer", f"matrix must hold integer noise levels; got dtype {a.dtype}")
+    if np.issubdtype(a.dtype, np.floating):
+        bad = ~np.isfinite(a) | (a != np.round(a))
+        if bad.any():
+            r, c = map(int, np.argwhere(bad)[0])
+            raise ScheduleError("integer", f"matrix[{r}][{c}] = {a[r, c].item()!r} is not an integer noise level")
+    return a.astype(np.int64)
 
-    Each frame takes ``steps`` (= M0) calls from K to 0, so the step has ``M = M0 + (w−1)·stagger`` rows:
-    ``S[m, j] = clip(K − (m − j·stagger)·K/M0, 0, K)``. ``stagger = 0`` is :func:`chunked`; ``stagger``
-    must be at most ``steps`` (otherwise some calls would change nothing).
-    """
-    M0, d, w = integer_arg("steps", steps), integer_arg("stagger", stagger), integer_arg("window", window)
-    if M0 < 1 or d < 0:
-        raise ScheduleError("argument", f"pyramid: need steps >= 1 and stagger >= 0, got steps={M0}, stagger={d}")
-    return from_level_fn(lambda m, j: Fraction(num_levels * (M0 - m + j * d), max(M0, 1)), window=w, delta=w,
-                         num_levels=num_levels, num_steps=M0 + (w - 1) * d, init_steps=init_steps,
-                         name="pyramid")
+
+def _check_matrix(S: np.ndarray, delta: int, K: int) -> None:
+    """Raise ScheduleError for the first violated condition (order: range, delta, columns, rows, boundary,
+    circularity), naming the row/column and the values."""
+    M, w = S.shape[0] - 1, S.shape[1]
+    bad = (S < 0) | (S > K)
+    if bad.any():
+        r, c = map(int, np.argwhere(bad)[0])
+        raise ScheduleError("range", f"matrix[{r}][{c}] = {int(S[r, c])} is outside the levels 0..K={K}")
+    if not 1 <= delta <= w:
+        raise ScheduleError("delta", f"need 1 <= delta <= w={w} (frames finished per AR step); got delta={delta}")
+    # Column monotonicity: a frame's level never goes up during a step (the sampler only denoises).
+    up = np.argwhere(S[1:] > S[:-1])
+    if len(up):
+        r, c = map(int, up[0])
+        raise ScheduleError("column monotonicity", f"column {c} must be non-increasing down the rows, but "
+                            f"row {r} -> row {r + 1} goes {int(S[r, c])} -> {int(S[r + 1, c])}")
+    # Monotonicity: within a row, later frames are at least as noisy as earlier ones.
+    dec = np.argwhere(S[:, 1:] < S[:, :-1])
+    if len(dec):
+        r, c = map(int, dec[0])
+        raise ScheduleError("monotonicity", f"row {r} must be non-decreasing with the frame index, but "
+                            f"column {c} -> column {c + 1} goes {int(S[r, c])} -> {int(S[r, c + 1])}")
+    t_in, t_out = S[0], S[M]
+    for j in range(delta):
+        if t_out[j] != 0:
+            raise ScheduleError("0-T boundary", f"t^O[0:delta={delta}] must be 0 (the Δ frames that leave the "
+                                f"window are clean), but row {M} (t^O), column {j} is {int(t_out[j])}")
+    for j in range(w - delta, w):
+        if t_in[j] != K:
+            raise ScheduleError("0-T boundary", f"t^I[w-delta:w] = t^I[{w - delta}:{w}] must be K={K} (new frames "
+                                f"enter as pure noise), but row 0 (t^I), column {j} is {int(t_in[j])}")
+    for j in range(w - delta):
+        if t_out[j + delta] != t_in[j]:
+            raise ScheduleError("circularity", f"t^O[j+delta] must equal t^I[j] (the window shifts by "
+                                f"delta={delta} and keeps its levels), but t^O[{j + delta}] (row {M}, column "
+                                f"{j + delta}) = {int(t_out[j + delta])} != t^I[{j}] (row 0, column {j}) = "
+                                f"{int(t_in[j])}")
 
 
-def get_schedule(name_or_path: str | os.PathLike | ARSchedule, window: int | None, num_levels: int,
-                 steps: int | None = None, **kwargs: Any) -> ARSchedule:
-    """A preset by name, or a schedule file (see :func:`load_schedule`), for a ``window``-frame model.
-
-    ``steps`` is the number of denoising calls every frame takes from K to 0, so the presets compare at
-    equal quality: ``chunked(steps)``, ``pyramid(steps, stagger)`` and ``fifo(steps_per_shift =
-    ceil(steps / window))`` (FIFO frames take a multiple of w calls). ``kwargs`` go to the preset
-    (``stagger``, ``init_steps``). A file's schedule must match ``num_levels`` and (unless None) ``window``.
-    """
-    if isinstance(name_or_path, ARSchedule):
-        sched = name_or_path
-    elif str(name_or_path) in PRESETS:
-        if window is None or steps is None:
-            raise ScheduleError("argument", f"preset {name_or_path!r} needs window and steps")
-        name, steps = str(name_or_path), integer_arg("steps", steps)
-        if name == "chunked":
-            return chunked(window, num_levels, steps, **kwargs)
-        if name == "pyramid":
-            return pyramid(window, num_levels, steps, **kwargs)
-        return fifo(window, num_levels, max(1, -(-steps // int(window))), **kwargs)
-    else:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise ScheduleError("argument", f"unknown schedule {str(name_or_path)!r}: not a preset "
-                                f"({', '.join(PRESETS)}) and no such file")
-        sched = load_schedule(path, **kwargs)
-    if sched.num_levels != num_levels:
-        raise ScheduleError("argument", f"schedule {sched.name!r} has K={sched.num_levels} levels but the model "
-                            f"uses num_levels={num_levels}")
-    if window is not None and sched.window != window:
-        raise ScheduleError("argument", f"schedule {sched.name!r} has a {sched.window}-frame window but the model "
-                            f"uses window={window}")
-    return sched
+def round_half_up(x: Fraction) -> int:
+    """Exact rounding of a rational level (no float drift between t^O[j+Δ] and t^I[j])."""
+    return math.floor(x + Fraction(1, 2))

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from arvdm.errors import USER_ERRORS
-from arvdm.schedules.matrix import PRESETS, get_schedule
-from arvdm.schedules.schedule import ARSchedule
+from arvdm.schedules.matrix import ARSchedule
+from arvdm.schedules.presets import PRESETS, get_schedule
 from data.atomic import atomic_write
 
 __all__ = ["main", "plot_presets", "plot_schedule"]

@@ -21,7 +21,7 @@ from arvdm.config import Config
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.video import side_by_side, write_video
-from arvdm.schedules.matrix import get_schedule
+from arvdm.schedules.presets import get_schedule
 from arvdm.training.loader import collate, make_dataset, mix_seed, to_device
 from data.dataset import ClipDataset, DatasetError
 
