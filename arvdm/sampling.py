@@ -47,7 +47,8 @@ from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
-from arvdm.schedules.presets import ARSchedule, get_schedule
+from arvdm.schedules.matrix import ARSchedule
+from arvdm.schedules.presets import get_schedule
 from arvdm.speculative.rows import (
     Speculation,
     SpeculativeRows,

@@ -22,7 +22,8 @@ from typing import Any
 from arvdm.config import SCHEDULE_PRESETS, Config, ConfigError, apply_overrides, get_preset
 from arvdm.experiments.cells import MEMORY_KEYS, Cell, TrainRun
 from arvdm.experiments.spec import GridSpec, fmt_value, name_part
-from arvdm.schedules.presets import ScheduleError, get_schedule
+from arvdm.schedules.matrix import ScheduleError
+from arvdm.schedules.presets import get_schedule
 
 __all__ = ["DEFAULT_COMPRESSOR", "build_cells", "check_cell", "share_context", "share_runs"]
 

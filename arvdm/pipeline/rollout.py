@@ -37,7 +37,7 @@ from arvdm.config import SamplingError, check_eta
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.rows import PlainRows, RolloutContext, RolloutStep, RowRunner
-from arvdm.schedules.presets import ARSchedule
+from arvdm.schedules.matrix import ARSchedule
 from memory import MemoryBank, RetentionPolicy
 
 __all__ = ["rollout"]
