@@ -198,7 +198,7 @@ def load_bench(args, device: torch.device) -> tuple[dict[str, Any], torch.Tensor
     """The target, its diffusion and schedule, the drafts; and the validation episodes and actions."""
     model, cfg = load_for_inference(args.run, device=device)
     schedule = get_schedule(args.schedule, cfg.train.window, cfg.diffusion.num_levels, args.steps)
-    context = max(cfg.memory.length, cfg.model.frames_per_chunk)
+    context = cfg.default_context()
     real, actions, _ = load_validation_episodes(cfg.data.path, cfg, args.episodes, context, args.frames)
     drafts = {FROZEN: None}
     if args.draft_run:

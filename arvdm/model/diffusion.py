@@ -21,7 +21,7 @@ import torch
 from diffusers import DDPMScheduler
 
 from arvdm.checks import value_checks_enabled
-from arvdm.config import DiffusionConfig
+from arvdm.config import DiffusionConfig, check_eta
 
 __all__ = ["PerFrameDiffusion"]
 
@@ -161,8 +161,7 @@ class PerFrameDiffusion:
             ``(mean, sigma)``: mean (B, T, C, H, W); sigma (B, T, 1, 1, 1), broadcastable to the sample. A
             sample is ``mean + sigma * z`` with z ~ N(0, I) (see :meth:`step`; speculative decoding reuses it).
         """
-        if not 0.0 <= float(eta) <= 1.0:
-            raise ValueError(f"eta must be in [0, 1], got {eta}")
+        check_eta(eta, "eta")
         from_levels, to_levels = self._check_levels(from_levels), self._check_levels(to_levels)
         if from_levels.shape != to_levels.shape:
             raise ValueError(f"from_levels {tuple(from_levels.shape)} and to_levels {tuple(to_levels.shape)} "
