@@ -16,7 +16,8 @@ copy of the whole cache. Evictions that are not a prefix (`sink_recent` dropping
 sinks) compact with one gather. `keys_values_with(k, v)` writes a window's K/V into the slack and returns
 past + window as views, so attention over the cache needs no concatenation copy of the past.
 Each layer owns its cache and its policy, so some layers can stream (sink + recent) while others keep
-everything (the hybrid-attention layout).
+everything (the hybrid-attention layout); `shrink_to_fit` releases the long buffer of a cache whose policy
+became bounded.
 """
 
 from __future__ import annotations
@@ -166,6 +167,26 @@ class KVCache:
         self._v[:, :, :len(slots)] = kept_v
         self._start = 0
         self._frames = [self._frames[i] for i in slots]
+
+    def shrink_to_fit(self) -> None:
+        """Reallocate the buffer to exactly the stored frames, releasing the rest (the old buffer is freed).
+
+        For a cache whose policy just became bounded (a layer converted to streaming): its buffer was sized
+        for the long memory it held before; afterwards the next append regrows it to the bounded working
+        size (stored + appended frames + slack, see `_reserve`), never to the old size.
+        """
+        if self._k is None:
+            return
+        f, s = len(self._frames), self._start
+        if f == 0:
+            self._k = self._v = None
+            self._start = 0
+            return
+        if self._k.shape[2] == f:
+            return
+        self._k = self._k[:, :, s:s + f].clone()  # a new (B', H, F, tpf, d) buffer; the old one is released
+        self._v = self._v[:, :, s:s + f].clone()
+        self._start = 0
 
     # -- buffer management -------------------------------------------------------------------------
     def _alloc(self, b, h, t, d, cap, dtype, device) -> None:

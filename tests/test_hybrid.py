@@ -12,9 +12,10 @@ import kernels
 from arvdm.config import Config, ConfigError, DiffusionConfig, HybridConfig, apply_overrides
 from arvdm.hybrid import report as HR
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.model.layers import AttentionCall
 from arvdm.pipeline.rollout import rollout
 from arvdm.schedules import chunked
-from memory import MemoryFrames
+from memory import MemoryFrames, RetentionPolicy
 
 K = 100
 DIFF = PerFrameDiffusion(DiffusionConfig(num_levels=K))
@@ -397,3 +398,139 @@ def test_selection_strategies():
     s = HR.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)
     assert s["lazy"] == [1, 3] and s["last"] == [2, 3] and len(s["random"]) == 2
     assert HR.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)["random"] == s["random"]  # seeded
+
+
+# -- issue 22: sinks survive a `last` memory shorter than the context; converted caches are freed ---------------
+def _window(seed=7, t=4):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, t, 3, 16, 16, generator=g), torch.randint(0, K + 1, (1, t), generator=g),
+            torch.randint(0, 6, (1, t), generator=g))
+
+
+def test_online_streaming_layers_keep_absolute_sinks_past_a_short_last_memory():
+    """select=online, memory.retention=last (8 frames) and a 16-frame context: the streaming layers must hold
+    the absolute frames 0..s-1 plus the recent ones (issue 22: they held 13-15, then 17-19), with the same
+    keys and outputs as a reference that commits the context with every layer full and caches per layer
+    exactly what each should keep (plain Denoiser + KVCache policies, no arvdm.hybrid code)."""
+    sink, recent, length = 2, 3, 8
+    hm = H.HybridModel(tiny_model(retention="last", length=length),
+                       HybridConfig(fraction=0.5, select="online", sink=sink, recent=recent))
+    ctx, ctx_act = clip(16)
+    state = hm.init_state(1)
+    hm.commit(state, ctx, ctx_act)
+    chosen = hm.streaming_layers
+    assert len(chosen) == 2
+
+    ref = tiny_model(retention="last", length=length)  # same weights (seeded), its own layers
+    stream, base = H.streaming_policy(sink, recent), RetentionPolicy("last", length=length)
+    ref_state = ref.init_state(1, layer_policies=[stream if i in chosen else base for i in range(4)])
+    ref.commit(ref_state, ctx, ctx_act)  # every layer full while the context is committed
+    for i in chosen:
+        ref.blocks[i].temporal.retention = stream
+
+    def check(n):
+        for i, (c, rc) in enumerate(zip(state.caches, ref_state.caches)):
+            want = [0, 1] + list(range(n - recent, n)) if i in chosen else list(range(n - length, n))
+            assert c.frame_ids == want, f"layer {i}: holds {c.frame_ids}, should hold {want}"
+            assert rc.frame_ids == want
+            torch.testing.assert_close(c.keys_values()[0], rc.keys_values()[0], atol=1e-5, rtol=0)
+        x, lv, act = _window(seed=n)
+        with torch.no_grad():
+            out, want_out = hm(x, lv, act, state=state), ref(x, lv, act, state=ref_state)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=0)
+
+    check(16)
+    for n in (20, 24):  # later commits: the sinks stay, the recent frames slide
+        frames, acts = clip(4, seed=n)
+        hm.commit(state, frames, acts)
+        ref.commit(ref_state, frames, acts)
+        check(n)
+
+
+def test_conversion_frees_the_long_cache_buffer_and_the_buffer_stays_bounded():
+    sink, recent = 2, 3
+    hm = H.HybridModel(tiny_model(), HybridConfig(fraction=0.5, select="online", sink=sink, recent=recent))
+    ctx, ctx_act = clip(40)
+    state = hm.init_state(1)
+    hm.commit(state, ctx, ctx_act)  # one commit of 40 frames: every buffer holds >= 40 frames
+    per_frame = state.caches[0].nbytes() // 40
+    chosen = hm.streaming_layers
+    assert len(chosen) == 2
+    for i, c in enumerate(state.caches):
+        if i in chosen:  # the buffer is reallocated to exactly the kept frames: the 40-frame one is gone
+            assert c.frame_ids == [0, 1, 37, 38, 39]
+            assert c.capacity_nbytes() == c.nbytes() == (sink + recent) * per_frame
+            assert c._k.untyped_storage().nbytes() == (sink + recent) * per_frame // 2  # K's storage, not a view
+        else:
+            assert c.capacity_nbytes() >= 40 * per_frame
+    caps = []
+    for n in range(40, 240, 4):  # later commits regrow it to a small working size, never to the old one
+        frames, acts = clip(4, seed=n)
+        x, lv, act = _window(seed=n)
+        with torch.no_grad():
+            hm(x, lv, act, state=state)  # the window's K/V go into the slack too
+        hm.commit(state, frames, acts)
+        caps.append([state.caches[i].capacity_nbytes() // per_frame for i in chosen])
+    assert max(max(c) for c in caps) <= 4 * (sink + recent + 4)
+    assert caps[-1] == caps[len(caps) // 2]  # steady: no growth
+    assert state.caches[chosen[0]].frame_ids == [0, 1, 237, 238, 239]
+
+
+def test_convert_refuses_a_cache_that_lost_its_sinks():
+    model = tiny_model(retention="last", length=8)
+    layers = H.temporal_layers(model)
+    state = model.init_state(1)
+    model.commit(state, *clip(16))  # the plain model's `last` memory: frames 8..15 only
+    with pytest.raises(H.HybridError, match=r"layer 1's KV cache no longer holds frames \[0, 1\]"):
+        H.convert_layers(layers, [1], sink=2, recent=3, caches=state.caches, n_committed=16)
+    assert [layer.retention for layer in layers] == [None] * 4  # nothing changed
+    assert [c.frame_ids for c in state.caches] == [list(range(8, 16))] * 4
+    # a cache that still holds them converts (and the check does not get in the way of a plain cut)
+    state = model.init_state(1, layer_policies=[RetentionPolicy("sink_recent", sink=2, recent=8)] * 4)
+    model.commit(state, *clip(16))
+    H.convert_layers(layers, [1], sink=2, recent=3, caches=state.caches, n_committed=16)
+    assert state.caches[1].frame_ids == [0, 1, 13, 14, 15] and state.caches[0].frame_ids == [0, 1] + list(range(8, 16))
+
+
+def _brute_lazy_ratio(q, k, *, tpf, chunk, off, sink, recent, last_frames):
+    """LightTransfer's lazy ratio by hand, float64: per query token of the last frames, its softmax over the
+    keys the block-causal rule lets it see, summed over the sink keys and (separately) the recent keys."""
+    q, k = q.double(), k.double()
+    nq, nk = q.shape[2] // tpf, k.shape[2] // tpf
+    key_frame = torch.arange(nk * tpf) // tpf
+    sink_mass, recent_mass = [], []
+    for i in range((nq - last_frames) * tpf, nq * tpf):
+        f_q = off + i // tpf
+        start = off + (f_q - off) // chunk * chunk  # the query's chunk: [start, start + chunk)
+        visible = key_frame < start + chunk
+        s = torch.einsum("bhd,bhkd->bhk", q[:, :, i], k) / math.sqrt(q.shape[-1])  # (B, H, Lk)
+        p = torch.softmax(s.masked_fill(~visible, -math.inf), dim=-1)
+        is_sink = key_frame < sink
+        is_recent = (key_frame >= start - recent) & ~is_sink
+        sink_mass.append((p * is_sink).sum(-1))
+        recent_mass.append((p * is_recent).sum(-1))
+    return torch.stack(sink_mass, -1).mean().item(), torch.stack(recent_mass, -1).mean().item()
+
+
+@pytest.mark.parametrize("tpf, chunk", [(1, 1), (2, 2)])
+def test_lazy_ratio_meter_counts_sink_and_recent_mass(tpf, chunk):
+    """The meter against an independent brute-force sum where the sinks carry much of the mass: a meter that
+    drops the sink term (or the recent one) misses by far more than the tolerance."""
+    sink, recent, last_frames, off, nq, nk, d = 2, 3, 2, 6, 6, 12, 8
+    g = torch.Generator().manual_seed(tpf)
+    u = torch.randn(d, generator=g)
+    q = torch.randn(2, 2, nq * tpf, d, generator=g) + u
+    k = torch.randn(2, 2, nk * tpf, d, generator=g)
+    k[:, :, :sink * tpf] += u  # the sink keys align with every query
+    _, lse = kernels.chunked_attention(q, k, k, tokens_per_frame=tpf, frames_per_chunk=chunk, q_frame_offset=off,
+                                       return_lse=True, backend="reference")
+    call = AttentionCall(q, k, lse, tpf, chunk, off, 0, None)  # a full-attention layer's kernel call
+    meter = H.LazyRatioMeter(sink=sink, recent=recent, last_frames=last_frames)
+    meter(call)
+    sink_mass, recent_mass = _brute_lazy_ratio(q, k, tpf=tpf, chunk=chunk, off=off, sink=sink, recent=recent,
+                                               last_frames=last_frames)
+    assert sink_mass > 0.3 and recent_mass > 0.1 and sink_mass + recent_mass < 0.95  # both terms matter, mass dropped
+    assert meter.ratio == pytest.approx(sink_mass + recent_mass, abs=1e-5)
+    # a streaming layer's call is not measured (its lse is not the full one)
+    meter(AttentionCall(q, k, lse, tpf, chunk, off, sink, recent))
+    assert len(meter.calls) == 1

@@ -41,8 +41,8 @@ from arvdm.hybrid.lazy import (
 )
 from memory import RetentionPolicy
 
-__all__ = ["HybridModel", "apply_for_training", "convert_layers", "describe", "layer_policies", "streaming_policy",
-           "wrap_for_sampling"]
+__all__ = ["HybridModel", "apply_for_training", "convert_layers", "describe", "keeping_sinks", "layer_policies",
+           "streaming_policy", "wrap_for_sampling"]
 
 
 def streaming_policy(sink: int, recent: int) -> RetentionPolicy:
@@ -56,23 +56,48 @@ def layer_policies(base: RetentionPolicy, n_layers: int, chosen: Sequence[int], 
     return [streaming_policy(sink, recent) if i in set(chosen) else base for i in range(n_layers)]
 
 
+def keeping_sinks(base: RetentionPolicy, sink: int, recent: int) -> RetentionPolicy:
+    """The smallest policy that keeps what ``base`` keeps and what ``streaming_policy(sink, recent)`` keeps.
+
+    A cache that may become streaming after the commit under way (online selection) uses it, so that a
+    ``last`` memory shorter than the context does not evict the absolute sink frames 0..sink-1 first.
+    """
+    if base.kind == "all":
+        return base
+    if base.kind == "last":  # recent < length (HybridModel checks sink + recent < capacity)
+        return RetentionPolicy("sink_recent", sink=sink, recent=max(base.length, recent))
+    return RetentionPolicy("sink_recent", sink=max(base.sink, sink), recent=max(base.recent, recent))
+
+
 def convert_layers(layers: Sequence[Any], chosen: Sequence[int], *, sink: int, recent: int,
             caches: Sequence[Any] | None = None, n_committed: int | None = None) -> None:
     """Make ``chosen`` layers streaming (sink + recent) and the others full; cut the chosen caches at once.
 
     With ``caches`` (one per layer, e.g. ``RolloutState.caches``) the chosen layers' caches switch to the
-    sink + recent policy and drop what it does not keep now (``n_committed`` frames committed so far); the
-    other caches are left exactly as they are.
+    sink + recent policy, drop what it does not keep now (``n_committed`` frames committed so far) and
+    release their long buffers (``KVCache.shrink_to_fit``); the other caches are left exactly as they are.
+    A chosen cache must still hold every frame the streaming policy keeps (the absolute sinks 0..sink-1
+    included), else HybridError and nothing is changed.
     """
     chosen = set(check_layers(chosen, len(layers)))
-    for i, layer in enumerate(layers):
-        layer.retention = streaming_policy(sink, recent) if i in chosen else None
+    stream = streaming_policy(sink, recent)
     if caches:
         if len(caches) != len(layers):
             raise HybridError(f"{len(caches)} caches for {len(layers)} temporal layers")
-        for i in chosen:
-            caches[i].policy = streaming_policy(sink, recent)
-            caches[i].evict(n_committed)
+        for i in sorted(chosen):
+            held = set(caches[i].frame_ids)
+            missing = [f for f in stream.kept_indices(n_committed) if f not in held]
+            if missing:
+                raise HybridError(f"layer {i}'s KV cache no longer holds frames {missing} (it holds "
+                                  f"{caches[i].frame_ids} of {n_committed} committed; its policy was "
+                                  f"{caches[i].policy}): a streaming layer needs the absolute sink frames "
+                                  f"0..{sink - 1} and the last {recent}; keep them before the cut")
+    for i, layer in enumerate(layers):
+        layer.retention = stream if i in chosen else None
+    for i in sorted(chosen) if caches else ():
+        caches[i].policy = stream
+        caches[i].evict(n_committed)
+        caches[i].shrink_to_fit()
 
 
 class HybridModel(torch.nn.Module):
@@ -142,6 +167,8 @@ class HybridModel(torch.nn.Module):
             self.streaming_layers = []  # measure with every layer full
             self._activate()
             state = self.model.init_state(batch_size)
+            for cache in state.caches:  # any layer may stream after the context: keep the sinks until then
+                cache.policy = keeping_sinks(self.base_policy, h.sink, h.recent)
             self._pending.add(id(state))
         self.last_state = state
         return state
@@ -167,6 +194,10 @@ class HybridModel(torch.nn.Module):
             source = "offline (context too short)"
         convert_layers(self.layers, chosen, sink=h.sink, recent=h.recent, caches=state.caches,
                 n_committed=state.n_committed)
+        for i, cache in enumerate(state.caches):  # the full layers drop the sinks their memory does not keep
+            if i not in chosen:
+                cache.policy = self.base_policy
+                cache.evict(state.n_committed)
         self.streaming_layers = list(chosen)
         self._record(chosen, ratios, source)
 
