@@ -534,3 +534,13 @@ def test_lazy_ratio_meter_counts_sink_and_recent_mass(tpf, chunk):
     # a streaming layer's call is not measured (its lse is not the full one)
     meter(AttentionCall(q, k, lse, tpf, chunk, off, sink, recent))
     assert len(meter.calls) == 1
+
+
+def test_keeping_sinks_keeps_the_union_of_the_memory_and_the_streaming_policy():
+    stream = H.streaming_policy(2, 3)
+    for base in (RetentionPolicy("all"), RetentionPolicy("last", length=8), RetentionPolicy("last", length=1),
+                 RetentionPolicy("sink_recent", sink=1, recent=10), RetentionPolicy("sink_recent", sink=4, recent=2)):
+        union = H.keeping_sinks(base, 2, 3)
+        for n in range(40):
+            want = sorted(set(base.kept_indices(n)) | set(stream.kept_indices(n)))
+            assert union.kept_indices(n) == want, (base, n)

@@ -13,6 +13,7 @@ from arvdm.hybrid.convert import (
     apply_for_training,
     convert_layers,
     describe,
+    keeping_sinks,
     layer_policies,
     streaming_policy,
     wrap_for_sampling,
@@ -31,5 +32,5 @@ from arvdm.hybrid.lazy import (
 )
 
 __all__ = ["RATIOS_NAME", "HybridError", "HybridModel", "LazyRatioMeter", "apply_for_training", "convert_layers",
-           "describe", "layer_policies", "load_lazy_ratios", "measuring", "num_streaming", "ratios_path",
-           "resolve_layers", "select_layers", "streaming_policy", "temporal_layers", "wrap_for_sampling"]
+           "describe", "keeping_sinks", "layer_policies", "load_lazy_ratios", "measuring", "num_streaming",
+           "ratios_path", "resolve_layers", "select_layers", "streaming_policy", "temporal_layers", "wrap_for_sampling"]
