@@ -53,7 +53,7 @@ import torch
 from arvdm.config import FROZEN_DRAFT as FROZEN
 from arvdm.errors import ArvdmError
 from arvdm.pipeline.rows import RolloutContext
-from arvdm.speculative.bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec
+from arvdm.speculative.bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec, hindsight_regret
 from arvdm.speculative.cost import CostModel, hindsight_cost_regret, reward_range
 from arvdm.speculative.rules import gaussian_accept_or_reflect
 from data.atomic import atomic_write
@@ -426,14 +426,16 @@ def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
 
 def speculation_report(spec: Speculation, seconds: float, frames: int, level_bin: int = 1) -> dict[str, Any]:
     """Everything a run prints and saves: summary, acceptance per noise level (bins of ``level_bin``
-    levels), regret, frames/s."""
+    levels), regret in rounds (``regret``: rows per round, the old reward) and in cost (``cost_regret``:
+    target-equivalent calls, against the arm with the most rows per cost; the policy's objective), frames/s."""
     arms = [r.arm for r in spec.rounds]
     rewards = [r.rows for r in spec.rounds]
     report = spec.summary()
     report.update({
         "arms": [f"L={L} {d}" for L, d in spec.arms], "cost_model": spec.cost.to_dict(),
         "acceptance_by_level": {str(k): v for k, v in spec.acceptance_by_level(level_bin).items()},
-        "regret": hindsight_cost_regret(arms, rewards, [r.cost for r in spec.rounds], len(spec.arms))
+        "regret": hindsight_regret(arms, rewards, len(spec.arms)) if rewards else None,
+        "cost_regret": hindsight_cost_regret(arms, rewards, [r.cost for r in spec.rounds], len(spec.arms))
         if rewards else None,
         "seconds": seconds, "frames_per_second": frames / seconds if seconds > 0 else float("nan"),
         "arm_per_round": arms, "rows_per_round_trace": rewards,
