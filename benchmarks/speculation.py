@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="default RUN/benchmarks/speculation")
     p.add_argument("--quick", action="store_true", help="1 episode, 8 frames, 10 steps")
+    p.add_argument("--skip-fixed", action="store_true", help="no fixed:L runs (long rollouts): the bandits are "
+                   "compared with plain only, the L = 1 arm")
     return p
 
 
@@ -257,7 +259,7 @@ def compare_bandits(results: dict[str, dict[str, Any]], out_json: dict[str, dict
     best_fps = max(arms, key=lambda n: out_json[n]["frames_per_s"])
     best_rate = max(arms, key=lambda n: out_json[n]["rows_per_cost"])
     print(f"\nbest fixed arm in frames/s: {best_fps} ({out_json[best_fps]['frames_per_s']:.3f}); in rows per "
-          f"cost: {best_rate} ({out_json[best_rate]['rows_per_cost']:.3f}); largest L: {fixed[-1]}")
+          f"cost: {best_rate} ({out_json[best_rate]['rows_per_cost']:.3f}); largest L: {fixed[-1] if fixed else '-'}")
     for n in fixed:
         print(f"  {n}: rows per cost modelled with batch-cost ratio R (1 + R(L-1)): "
               + ", ".join(f"R={k}: {v:.3f}" for k, v in out_json[n]["modelled_rows_per_cost"].items()))
@@ -350,7 +352,7 @@ def main(argv=None) -> int:
     schedule, drafts, lookaheads = bench["schedule"], bench["drafts"], bench["lookaheads"]
     bandits = ["ucb", "exp3"] + ([f"ucb/{args.level_bins}bins", f"exp3/{args.level_bins}bins"]
                                  if args.level_bins > 1 else [])
-    names = ["plain"] + [f"fixed:{L} {d}" for d in drafts for L in lookaheads] + bandits
+    names = ["plain"] + ([] if args.skip_fixed else [f"fixed:{L} {d}" for d in drafts for L in lookaheads]) + bandits
     results = {n: {"rounds": 0, "evaluations": 0, "rows": 0, "seconds": 0.0, "frames": 0, "accepted": 0,
                    "checked": 0, "levels": {}, "specs": [], "batches": [], "cost": 0.0} for n in names}
     print(f"target {args.run} ({bench['model'].num_params() / 1e6:.2f}M params), schedule {schedule.name} "
