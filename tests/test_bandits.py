@@ -1,11 +1,13 @@
-"""arvdm/speculative/bandits.py: UCBSpec's bonus and behaviour, EXP3Spec's estimator and regret, stopping-time
-regret."""
+"""arvdm/speculative/bandits.py: UCBSpec's bonus and behaviour (a greedy UCB fails), EXP3Spec's estimator and
+regret, stopping-time regret; arvdm/speculative/cost.py: the cost model and the rows-per-cost reward, under which
+the best arm depends on the acceptance profile."""
 
 import math
 
 import numpy as np
 import pytest
 
+from arvdm.speculative import bandits
 from arvdm.speculative.bandits import (
     EXP3Spec,
     FixedArm,
@@ -17,6 +19,7 @@ from arvdm.speculative.bandits import (
     stopping_time_regret,
     ucb_bonus,
 )
+from arvdm.speculative.cost import CostModel, CostModelError, hindsight_cost_regret, regret_over_time, reward_range
 
 L = 4
 PROBS = np.array([0.2, 0.45, 0.7, 0.55])  # Y = 1 + Binomial(L, p): means 1.8, 2.8, 3.8, 3.2; best arm 2
@@ -129,3 +132,87 @@ def test_bad_arguments():
         UCBSpec(4, L).update(7, 1.0)
     with pytest.raises(ValueError, match="n >= 1"):
         ucb_bonus(0, 1, 4, L)
+
+
+def _two_arm_late_choices(seed, rounds=3000):
+    """Arm 0 (best, mean 3): 1 or 5 with probability 1/2 each; arm 1 (mean 2.2): 1 + Binomial(4, 0.3). With
+    probability ~0.4 the best arm's first reward is 1 and the other's is >= 2: it looks worse. Returns the
+    share of arm 0 over the last third of the rounds."""
+    rng = np.random.default_rng(seed)
+    policy = UCBSpec(n_arms=2, L=L)
+    arms = np.empty(rounds, dtype=np.int64)
+    for t in range(rounds):
+        arm = policy.select()
+        policy.update(arm, 1 + 4 * rng.binomial(1, 0.5) if arm == 0 else 1 + rng.binomial(L, 0.3))
+        arms[t] = arm
+    return float((arms[-rounds // 3:] == 0).mean())
+
+
+def test_ucb_exploration_bonus_is_what_finds_the_best_arm(monkeypatch):
+    """UCBSpec plays the best arm late in every one of 40 seeds; without its bonus (greedy) it stays on the
+    worse arm for good in several. Fails if the bonus is removed from UCBSpec.index."""
+    seeds = range(40)
+    ucb = [_two_arm_late_choices(s) for s in seeds]
+    assert min(ucb) > 0.9, sorted(ucb)[:5]
+    monkeypatch.setattr(bandits, "ucb_bonus", lambda *args, **kwargs: 0.0)
+    greedy = [_two_arm_late_choices(s) for s in seeds]
+    stuck = sum(share < 0.1 for share in greedy)
+    assert stuck >= 5, sorted(greedy)  # measured: 16 of 40 seeds never return to the best arm
+
+
+ARMS = [(1, "none"), (2, "frozen"), (4, "frozen"), (8, "frozen")]
+
+
+def _rows(rng, lookahead, acceptance):
+    """Rows a round advances when every drafted row is accepted with probability ``acceptance`` independently:
+    up to and including the first rejected row (its reflection), at most L."""
+    return min(lookahead, int(rng.geometric(1 - acceptance)))
+
+
+def test_cost_model_prices_rounds():
+    cost = CostModel(batch_ratio=0.2, verify_costs={8: 1.73}, draft_costs={"small": 0.25})
+    assert cost.round_cost(1, "small") == 1.0  # a plain row
+    assert cost.round_cost(4, "frozen") == pytest.approx(1.6)  # 1 + 0.2·3, the frozen draft free
+    assert cost.round_cost(4, "small") == pytest.approx(1.6 + 4 * 0.25)
+    assert cost.round_cost(8, "frozen") == 1.73  # measured value overrides the linear model
+    assert CostModel().round_cost(4, "frozen") == 4.0  # default: every window one target call
+    low, high = reward_range(CostModel(batch_ratio=0.2), ARMS)
+    assert low == pytest.approx(1 / 2.4) and high == pytest.approx(8 / 2.4)
+    for bad in ({"batch_ratio": -0.1}, {"verify_costs": {2: 0.0}}, {"draft_costs": {"d": float("nan")}}):
+        with pytest.raises(CostModelError, match="cost model"):
+            CostModel(**bad)
+
+
+@pytest.mark.parametrize("acceptance, best", [(0.9, 3), (0.5, 1), (0.1, 0)])
+def test_cost_charged_reward_makes_the_best_arm_depend_on_acceptance(acceptance, best):
+    """Rows per cost with batched verification at 0.2 per extra window: long lookahead pays at high acceptance,
+    L = 2 at medium, no speculation at low. UCBSpec on the reward settles on that arm and gets >= 93% of the
+    oracle arm's rows per cost; under the old reward (rows per round) the largest L would always win."""
+    cost = CostModel(batch_ratio=0.2)
+    rates = [(1 - acceptance ** L_) / (1 - acceptance) / cost.round_cost(L_, d) for L_, d in ARMS]  # E rows / cost
+    assert int(np.argmax(rates)) == best
+    low, high = reward_range(cost, ARMS)
+    policy = UCBSpec(len(ARMS), high - low)
+    rng = np.random.default_rng(0)
+    arms, rows, costs = [], [], []
+    for _ in range(20_000):
+        arm = policy.select()
+        r, c = _rows(rng, ARMS[arm][0], acceptance), cost.round_cost(*ARMS[arm])
+        policy.update(arm, 1 + min(max(r / c, low), high) - low)
+        arms.append(arm), rows.append(r), costs.append(c)
+    assert np.mean(np.array(arms[-5000:]) == best) > 0.8
+    assert sum(rows) / sum(costs) > 0.93 * max(rates)
+    curve = regret_over_time(rows, costs, max(rates), points=4)
+    assert [p["round"] for p in curve] == [5000, 10_000, 15_000, 20_000]
+    relative = [p["relative_regret"] for p in curve]
+    assert relative[-1] < relative[0] and relative[-1] < 0.07  # regret per round falls as UCB settles
+    h = hindsight_cost_regret(arms, rows, costs, len(ARMS))
+    assert h["best_arm"] == best and h["regret"] == pytest.approx(sum(costs) - sum(rows) / h["best_arm_rows_per_cost"])
+
+
+def test_regret_over_time_hand_case():
+    curve = regret_over_time([1, 3, 2, 2], [1, 2, 2, 1], best_rate=2.0, points=2)
+    assert curve == [{"round": 2, "rows": 4.0, "cost": 3.0, "oracle_cost": 2.0, "regret": 1.0, "relative_regret": 0.5},
+                     {"round": 4, "rows": 8.0, "cost": 6.0, "oracle_cost": 4.0, "regret": 2.0, "relative_regret": 0.5}]
+    with pytest.raises(CostModelError, match="best_rate"):
+        regret_over_time([1], [1], 0.0)

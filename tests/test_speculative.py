@@ -11,6 +11,7 @@ import torch
 from scipy import stats
 
 from arvdm.speculative.rules import (
+    SigmaMismatchError,
     gaussian_accept_or_reflect,
     gaussian_acceptance_probability,
     token_accept_or_resample,
@@ -22,9 +23,9 @@ ALPHA = 1e-3
 def test_hand_case_1d():
     """m_q = 0, m_p = 1, σ = 1, z = 0.3: log p/q = 0.3 − 0.5 = −0.2, exp(−0.2) = 0.8187."""
     z, mq, mp, s = (torch.tensor([[0.3]], dtype=torch.float64) * 0 + v for v in (0.3, 0.0, 1.0, 1.0))
-    y, acc = gaussian_accept_or_reflect(z, mq, mp, s, torch.tensor([0.8], dtype=torch.float64))
+    y, acc = gaussian_accept_or_reflect(z, mq, mp, s, s, torch.tensor([0.8], dtype=torch.float64))
     assert acc.tolist() == [True] and y.item() == pytest.approx(0.3)
-    y, acc = gaussian_accept_or_reflect(z, mq, mp, s, torch.tensor([0.9], dtype=torch.float64))
+    y, acc = gaussian_accept_or_reflect(z, mq, mp, s, s, torch.tensor([0.9], dtype=torch.float64))
     assert acc.tolist() == [False] and y.item() == pytest.approx(0.7)  # 1 + (0.3 − 2·0.3)
 
 
@@ -36,7 +37,7 @@ def _case(d, delta_norm, n, seed):
     mp = mq + sigma * direction / direction.norm() * delta_norm  # ‖(m_p − m_q)/σ‖ = delta_norm
     z = torch.randn(n, d, generator=g, dtype=torch.float64)
     u = torch.rand(n, generator=g, dtype=torch.float64)
-    y, acc = gaussian_accept_or_reflect(z, mq.expand(n, d), mp.expand(n, d), sigma.expand(n, d), u)
+    y, acc = gaussian_accept_or_reflect(z, mq.expand(n, d), mp.expand(n, d), sigma.expand(n, d), sigma, u)
     direct = mp + sigma * torch.randn(n, d, generator=g, dtype=torch.float64)  # direct samples of p
     return y, acc, direct, (mp, mq, sigma, direction / direction.norm(), z)
 
@@ -79,7 +80,7 @@ def test_sigma_zero_elements_need_equal_means():
     mp = mq.clone()
     mp[1, 0] = 0.5  # row 1 disagrees on the deterministic element
     u = torch.full((3,), 0.5, dtype=torch.float64)
-    y, acc = gaussian_accept_or_reflect(z, mq, mp, sigma, u)
+    y, acc = gaussian_accept_or_reflect(z, mq, mp, sigma, sigma, u)
     assert acc.tolist() == [True, False, True]  # Δ = 0 on σ > 0: accepted unless the σ = 0 element differs
     assert y[1, 0] == 0.5  # the target's value on the deterministic element
     assert torch.equal(y[1, 1:], z[1, 1:])  # Δ = 0 elsewhere: the reflection is the identity
@@ -89,12 +90,41 @@ def test_sigma_zero_elements_need_equal_means():
 def test_broadcast_sigma_and_bad_shapes():
     z = torch.randn(2, 3, 1, 2, 2)
     m = torch.zeros_like(z)
-    y, acc = gaussian_accept_or_reflect(z, m, m, torch.ones(2, 3, 1, 1, 1), torch.rand(2))
+    one = torch.ones(2, 3, 1, 1, 1)
+    y, acc = gaussian_accept_or_reflect(z, m, m, one, one, torch.rand(2))
     assert acc.all() and torch.equal(y, z)  # identical means: always accepted, y = m_q + σ z
     with pytest.raises(ValueError, match="u must have shape"):
-        gaussian_accept_or_reflect(z, m, m, torch.ones(2, 3, 1, 1, 1), torch.rand(3))
-    with pytest.raises(ValueError, match="sigma"):
-        gaussian_accept_or_reflect(z, m, m, torch.ones(4, 1), torch.rand(2))
+        gaussian_accept_or_reflect(z, m, m, one, one, torch.rand(3))
+    with pytest.raises(ValueError, match="sigma_draft of shape"):
+        gaussian_accept_or_reflect(z, m, m, torch.ones(4, 1), one, torch.rand(2))
+    with pytest.raises(ValueError, match="sigma_target of shape"):
+        gaussian_accept_or_reflect(z, m, m, one, torch.ones(4, 1), torch.rand(2))
+
+
+def test_differing_draft_and_target_sigma_refused():
+    """Draft N(0, 1.5²), target N(0.5, 1): the rule has both σ and refuses, naming both, instead of sampling
+    N(0.5, 1.5²) as the one-σ rule did when given the draft's σ (shown below: that law is detectably wrong)."""
+    n = 20_000
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(n, 1, generator=g, dtype=torch.float64)
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    mq, mp = torch.zeros(n, 1, dtype=torch.float64), torch.full((n, 1), 0.5, dtype=torch.float64)
+    s_draft, s_target = torch.full((n, 1), 1.5, dtype=torch.float64), torch.ones(n, 1, dtype=torch.float64)
+    with pytest.raises(SigmaMismatchError, match=r"sigma_draft 1\.5, sigma_target 1\b") as err:
+        gaussian_accept_or_reflect(z, mq, mp, s_draft, s_target, u)
+    assert isinstance(err.value, ValueError) and "differ at 20000 of 20000 elements" in str(err.value)
+    # one element off by one ulp is refused too (exactness is not approximate)
+    s_near = s_target.clone()
+    s_near[7, 0] = torch.nextafter(s_near[7, 0], torch.tensor(2.0, dtype=torch.float64))
+    with pytest.raises(SigmaMismatchError, match=r"differ at 1 of 20000 elements \(e\.g\. at \(7, 0\)"):
+        gaussian_accept_or_reflect(z, mq, mp, s_near, s_target, u)
+    # what the misuse gave: with the draft's σ in both places the output is N(0.5, 1.5²), not the target's
+    y, _ = gaussian_accept_or_reflect(z, mq, mp, s_draft, s_draft, u)
+    assert stats.kstest(((y - 0.5) / 1.5).flatten().numpy(), "norm").pvalue > ALPHA  # N(0.5, 1.5²)
+    assert stats.kstest((y - 0.5).flatten().numpy(), "norm").pvalue < 1e-10  # not N(0.5, 1)
+    # equal σ (the target's) on the same draws: the target law
+    y, _ = gaussian_accept_or_reflect(z, mq, mp, s_target, s_target, u)
+    assert stats.kstest((y - 0.5).flatten().numpy(), "norm").pvalue > ALPHA
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -13,6 +13,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.schedules.presets import chunked
 from arvdm.speculative.bandits import FixedArm, UCBSpec
+from arvdm.speculative.cost import CostModel
 from arvdm.speculative.rows import FROZEN, Speculation, SpeculativeRows, make_speculation, tile_state
 
 ALPHA = 1e-3
@@ -183,9 +184,34 @@ def test_tiny_model_speculative_pixels_have_plain_law():
     spec = Speculation(arms=[(3, "copy"), (2, FROZEN)], policy=UCBSpec(2, 2), drafts={"copy": other})
     fast = torch.cat([tiny_rollout(target, b, seed=100 + s, spec=spec, n_frames=2) for s in range(2)])
     s = spec.summary()
-    assert s["mean_reward"] > 1.2 and 0.3 < s["acceptance"] < 0.97, s  # drafted rows kept, rows reflected
+    assert s["sample_rows_per_round"] > 1.2 and 0.3 < s["acceptance"] < 0.97, s  # drafted rows kept, rows reflected
     stats_of = [lambda v: v[:, -1].mean((1, 2, 3)), lambda v: v[:, 0, 0, 5, 7], lambda v: v[:, 1, 2, 12, 3],
                 lambda v: v[:, -1, 1].std((1, 2))]
     for f in stats_of:
         assert stats.ks_2samp(f(plain).numpy(), f(fast).numpy()).pvalue > ALPHA / len(stats_of)
     assert np.isfinite(fast.numpy()).all()
+
+
+def test_round_reward_charges_cost_and_counts_what_the_batch_advances():
+    """The policy's reward is the rows the batch advanced (its slowest sample's row moved) per modelled cost: a
+    batch's rounds add up to its rows, the next round starts that many rows further, the reward is rows / cost
+    shifted into the policy's range."""
+    target, other = tiny(0), tiny(0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(9)
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.001)
+    cost = CostModel(batch_ratio=0.5, draft_costs={"copy": 0.25})
+    spec = Speculation(arms=[(1, FROZEN), (3, "copy")], policy=UCBSpec(2, 2), drafts={"copy": other}, cost=cost)
+    tiny_rollout(target, 8, seed=5, spec=spec, n_frames=2, steps=12)
+    s, rounds = spec.summary(), spec.rounds
+    assert sum(r.rows for r in rounds) == s["rows"] == 12  # one AR step of 12 rows, all samples through
+    assert [r.rows for r in rounds[:-1]] == [b.row - a.row for a, b in zip(rounds, rounds[1:])]
+    assert any(r.rows != r.sample_rows for r in rounds)  # samples move at their own pace
+    for r in rounds:
+        size = 1 if r.lookahead == 1 else min(3, 12 - r.row)
+        assert r.cost == pytest.approx(cost.round_cost(size, "copy"))
+        assert r.reward == pytest.approx(1 + r.rows / r.cost - spec.reward_low)
+    assert spec.reward_low == pytest.approx(1 / (2 + 0.75)) and spec.reward_high == pytest.approx(3 / 2.75)
+    assert s["cost"] == pytest.approx(sum(r.cost for r in rounds))
+    assert s["rows_per_cost"] == pytest.approx(12 / s["cost"])

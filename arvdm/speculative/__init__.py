@@ -4,7 +4,8 @@
     spec = make_speculation("ucb")
     video = rollout(model, diffusion, schedule, ctx, ctx_actions, actions, n, eta=1.0, rows=SpeculativeRows(spec))
 
-``rules`` (accept / reflect, generic), ``bandits`` (BanditSpec policies, generic), ``rows`` (the row runner).
+``rules`` (accept / reflect, generic), ``bandits`` (BanditSpec policies, generic), ``cost`` (what a round
+costs: the bandits' reward is rows per cost, generic), ``rows`` (the row runner).
 """
 
 from arvdm.speculative.bandits import (
@@ -16,6 +17,7 @@ from arvdm.speculative.bandits import (
     hindsight_regret,
     stopping_time_regret,
 )
+from arvdm.speculative.cost import CostModel, CostModelError, hindsight_cost_regret, regret_over_time
 from arvdm.speculative.rows import (
     FROZEN,
     NO_DRAFT,
@@ -32,6 +34,7 @@ from arvdm.speculative.rows import (
     tile_state,
 )
 from arvdm.speculative.rules import (
+    SigmaMismatchError,
     gaussian_accept_or_reflect,
     gaussian_acceptance_probability,
     token_accept_or_resample,
@@ -40,4 +43,6 @@ from arvdm.speculative.rules import (
 __all__ = ["ArmPolicy", "UCBSpec", "EXP3Spec", "FixedArm", "PerContext", "hindsight_regret", "stopping_time_regret",
            "Speculation", "SpeculativeRows", "SpeculationError", "RoundRecord", "RowCheck", "make_speculation",
            "speculation_report", "plot_arms", "tile_state", "report_bin_width", "REPORT_LEVEL_BINS", "FROZEN",
-           "NO_DRAFT", "gaussian_accept_or_reflect", "gaussian_acceptance_probability", "token_accept_or_resample"]
+           "NO_DRAFT", "CostModel", "CostModelError", "hindsight_cost_regret", "regret_over_time",
+           "SigmaMismatchError", "gaussian_accept_or_reflect", "gaussian_acceptance_probability",
+           "token_accept_or_resample"]

@@ -18,7 +18,9 @@ Gaussian transitions x_{m+1} ~ N(mean_p(x_m), σ_m²) (``PerFrameDiffusion.trans
 4. rows are verified in order with :func:`arvdm.speculative.gaussian_accept_or_reflect`; the round ends at
    the first row where some sample is rejected (that row's output is the reflection for the rejected samples
    and the drafted row for the others: every sample's chain stays exact), or after L rows;
-5. the policy is rewarded with the rows advanced (1..L).
+5. the policy is rewarded with the rows the batch advanced (the slowest sample's: what the batch actually
+   advances) per unit of the round's cost in target-equivalent calls (``arvdm.speculative.cost.CostModel``:
+   the batched verification of L windows and L draft calls), so the best arm depends on acceptance and cost.
 
 Drafts: ``"frozen"`` reuses the newest target v-prediction for all L drafted rows (no network call; the
 newest is the target's v at the state one row before the round's start, and at an AR step's first row the
@@ -52,6 +54,7 @@ from arvdm.config import FROZEN_DRAFT as FROZEN
 from arvdm.errors import ArvdmError
 from arvdm.pipeline.rows import RolloutContext
 from arvdm.speculative.bandits import ArmPolicy, EXP3Spec, FixedArm, PerContext, UCBSpec, hindsight_regret
+from arvdm.speculative.cost import CostModel, hindsight_cost_regret, reward_range
 from arvdm.speculative.rules import gaussian_accept_or_reflect
 from data.atomic import atomic_write
 from memory import MemoryBank, MemoryFrames
@@ -77,10 +80,12 @@ class SpeculationError(ArvdmError):
 
 @dataclass
 class RoundRecord:
-    """One speculative round starting at matrix ``row`` (the lowest among the samples): ``rows`` advanced
-    and ``accepted`` drafted rows kept, both means over the samples still moving (``rows`` is the policy's
-    reward, 1..lookahead), for ``target_states`` windows evaluated (L·B in one batched call; B for a plain
-    step) and ``draft_calls`` sequential draft-network calls."""
+    """One speculative round starting at matrix ``row`` (the lowest among the samples): ``rows`` the batch
+    advanced (the lowest sample's row moved by that much, 1..lookahead), ``accepted`` drafted rows kept and
+    ``sample_rows`` rows advanced, both means over the samples still moving, for ``target_states`` windows
+    evaluated (L·B in one batched call; B for a plain step), ``draft_calls`` sequential draft-network calls,
+    ``cost`` target-equivalent calls (``CostModel.round_cost``) and the policy's ``reward`` (rows / cost,
+    shifted into the policy's range: 1 + rows / cost − the lowest rows / cost of the arms)."""
 
     stage: str
     ar_step: int
@@ -92,6 +97,9 @@ class RoundRecord:
     target_states: int
     draft_calls: int
     seconds: float
+    cost: float = 1.0
+    reward: float = 1.0
+    sample_rows: float = 1.0
 
 
 @dataclass
@@ -110,16 +118,19 @@ class Speculation:
 
     Args:
         arms: (lookahead L, draft name) per arm; L = 1 means a plain step (draft ignored).
-        policy: picks an arm per round (``arvdm.speculative.bandits``); its rewards are the rows each round advanced.
+        policy: picks an arm per round (``arvdm.speculative.bandits``); its reward is the rows a round advanced
+            per unit of its ``cost`` (``RoundRecord``), in [1, 1 + high − low] for ``reward_range(cost, arms)``.
         drafts: draft name -> model (``FROZEN`` needs no entry).
         seed: seed of the uniforms of the accept tests, kept apart from the rollout's generator so that the
             transitions draw the same noise as a plain rollout.
+        cost: prices a round (default ``CostModel()``: every window evaluated costs one target call).
     """
 
     arms: list[tuple[int, str]]
     policy: ArmPolicy
     drafts: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    cost: CostModel = field(default_factory=CostModel)
     rounds: list[RoundRecord] = field(default_factory=list)
     checks: list[RowCheck] = field(default_factory=list)
     rows: int = 0  # rows every sample went through (a plain rollout makes one target call per row)
@@ -135,6 +146,11 @@ class Speculation:
                                  f"({sorted(self.drafts)})")
         if self.policy.n_arms != len(self.arms):
             raise SpeculationError(f"policy has {self.policy.n_arms} arms, Speculation has {len(self.arms)}")
+        self.reward_low, self.reward_high = reward_range(self.cost, self.arms)
+
+    def reward(self, rows: float, cost: float) -> float:
+        """The policy's reward for ``rows`` advanced at ``cost``: 1 + rows / cost − low, within [1, 1 + high − low]."""
+        return 1.0 + min(max(rows / cost, self.reward_low), self.reward_high) - self.reward_low
 
     # -- summaries ------------------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -142,10 +158,13 @@ class Speculation:
         rows per round (the speed-up in sequential target calls), mean reward, acceptance of drafted rows."""
         rounds = self.rounds
         checked = sum(c.checked for c in self.checks)
+        cost = sum(r.cost for r in rounds)
         return {"target_rounds": len(rounds), "target_evaluations": sum(r.target_states for r in rounds),
                 "draft_calls": sum(r.draft_calls for r in rounds), "rows": self.rows,
-                "rows_per_round": self.rows / max(1, len(rounds)),
-                "mean_reward": sum(r.rows for r in rounds) / max(1, len(rounds)),
+                "rows_per_round": self.rows / max(1, len(rounds)), "cost": cost,
+                "rows_per_cost": self.rows / cost if cost else float("nan"),
+                "sample_rows_per_round": sum(r.sample_rows for r in rounds) / max(1, len(rounds)),
+                "mean_reward": sum(r.reward for r in rounds) / max(1, len(rounds)),
                 "accepted_rows_per_round": sum(r.accepted for r in rounds) / max(1, len(rounds)),
                 "acceptance": sum(c.accepted for c in self.checks) / checked if checked else float("nan"),
                 "arm_counts": [sum(r.arm == i for r in rounds) for i in range(len(self.arms))]}
@@ -284,12 +303,15 @@ class SpeculativeRows:
                 accepted, draft_calls = torch.zeros_like(pos), 0
             else:
                 x, pos, accepted, draft_calls = self._round(x, rows, pos, size, draft, win_actions)
-            advanced = (pos - start)[active].double().mean().item()  # rows per round, mean over active samples
-            self.spec.policy.update(arm, advanced)
+            advanced = float(pos.min() - start.min())  # what the batch advanced: its slowest sample's rows
+            cost = self.spec.cost.round_cost(size, draft)
+            reward = self.spec.reward(advanced, cost)
+            self.spec.policy.update(arm, reward)
             self.spec.rounds.append(RoundRecord(stage, ar_step, int(start.min()), arm, int(lookahead), advanced,
                                                 accepted[active].double().mean().item(),
                                                 size * self.batch if size > 1 else self.batch, draft_calls,
-                                                time.perf_counter() - t0))
+                                                time.perf_counter() - t0, cost, reward,
+                                                (pos - start)[active].double().mean().item()))
         return x
 
     def _levels(self, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,14 +330,15 @@ class SpeculativeRows:
     def _round(self, x, rows, pos, size, draft, win_actions):
         b, n_rows = self.batch, rows.shape[0] - 1
         # 1. draft `size` rows from y_0 = x
-        ys, means_q, zs, levels = [x], [], [], []
+        ys, means_q, sigmas_q, zs, levels = [x], [], [], [], []
         for i in range(size):
             lv_from, lv_to = self._levels(rows, pos + i)  # (B, w) each
             v_q = self._draft(draft, ys[i], lv_from, win_actions)
-            mean_q, sigma = self.diffusion.transition(ys[i], v_q, lv_from, lv_to, self.eta)
+            mean_q, sigma_q = self.diffusion.transition(ys[i], v_q, lv_from, lv_to, self.eta)
             z = self.rollout.noise(x.shape)  # (B, w, ch, H, W), in a plain rollout's order
-            ys.append(mean_q + sigma * z)  # exactly diffusion.step's arithmetic
+            ys.append(mean_q + sigma_q * z)  # exactly diffusion.step's arithmetic
             means_q.append(mean_q)
+            sigmas_q.append(sigma_q)
             zs.append(z)
             levels.append((lv_from, lv_to))
         draft_calls = 0 if draft == FROZEN else size
@@ -329,9 +352,9 @@ class SpeculativeRows:
         out, advanced = ys[size].clone(), torch.full((b,), size, dtype=torch.long, device=x.device)
         for i in range(size):
             lv_from, lv_to = levels[i]
-            mean_p, sigma = self.diffusion.transition(ys[i], v_all[i], lv_from, lv_to, self.eta)
+            mean_p, sigma_p = self.diffusion.transition(ys[i], v_all[i], lv_from, lv_to, self.eta)
             u = torch.rand(b, generator=self.accept_generator, dtype=torch.float64).to(x.device)  # (B,)
-            y, ok = gaussian_accept_or_reflect(zs[i], means_q[i], mean_p, sigma, u)
+            y, ok = gaussian_accept_or_reflect(zs[i], means_q[i], mean_p, sigmas_q[i], sigma_p, u)
             checked = alive & (pos + i < n_rows)  # finished samples "stay": not a check
             moving = lv_to < lv_from  # (B, w)
             level = float(lv_from[moving].double().mean()) if moving.any() else 0.0
@@ -352,7 +375,8 @@ class SpeculativeRows:
 # -- building and reporting ----------------------------------------------------------------------------------
 
 def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
-                     drafts: dict[str, Any] | None = None, seed: int = 0, level_bins: int = 1) -> Speculation:
+                     drafts: dict[str, Any] | None = None, seed: int = 0, level_bins: int = 1,
+                     cost: CostModel | None = None) -> Speculation:
     """A :class:`Speculation` from the CLI's words.
 
     Args:
@@ -365,7 +389,9 @@ def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
         level_bins: > 1 gives a bandit one independent copy per bin of the noise level a round starts from
             (the mean level of the window's row at the round's start; ``bandits.PerContext``): acceptance
             depends on the noise level, so the best lookahead does too.
+        cost: prices the rounds for the reward (default ``CostModel()``, every window one target call).
     """
+    cost = CostModel() if cost is None else cost
     drafts = {FROZEN: None} if not drafts else dict(drafts)
     for name, model in drafts.items():
         if (name == FROZEN) != (model is None):
@@ -379,34 +405,38 @@ def make_speculation(mode: str, lookaheads: Sequence[int] = (1, 2, 3, 4),
             lookahead = 0
         if lookahead < 1:
             raise SpeculationError(f"--speculate {mode!r}: expected fixed:L with an integer lookahead L >= 1")
-        return Speculation([(lookahead, names[0] if lookahead > 1 else NO_DRAFT)], FixedArm(1, 0), models, seed)
+        return Speculation([(lookahead, names[0] if lookahead > 1 else NO_DRAFT)], FixedArm(1, 0), models, seed, cost)
     if mode not in ("ucb", "exp3"):
         raise SpeculationError(f"--speculate {mode!r}: expected ucb, exp3 or fixed:L")
     ls = sorted({int(v) for v in lookaheads} | {1})
     if ls[0] < 1:
         raise SpeculationError(f"lookaheads must be >= 1, got {list(lookaheads)}")
     arms = [(1, NO_DRAFT)] + [(L, name) for name in names for L in ls if L > 1]
-    reward_range = max(1, ls[-1] - 1)  # rewards (rows per round) lie in [1, max L] ⊂ [1, L+1]
+    low, high = reward_range(cost, arms)
+    width = high - low if high > low else 1.0  # rewards lie in [1, 1 + width] (Speculation.reward)
 
     def make_policy(context: int) -> ArmPolicy:
         if mode == "ucb":
-            return UCBSpec(len(arms), reward_range)
-        return EXP3Spec(len(arms), reward_range, seed=seed + 1000 * context)
+            return UCBSpec(len(arms), width)
+        return EXP3Spec(len(arms), width, seed=seed + 1000 * context)
 
     policy = make_policy(0) if level_bins <= 1 else PerContext(make_policy, int(level_bins))
-    return Speculation(arms, policy, models, seed)
+    return Speculation(arms, policy, models, seed, cost)
 
 
 def speculation_report(spec: Speculation, seconds: float, frames: int, level_bin: int = 1) -> dict[str, Any]:
     """Everything a run prints and saves: summary, acceptance per noise level (bins of ``level_bin``
-    levels), regret, frames/s."""
+    levels), regret in rounds (``regret``: rows per round, the old reward) and in cost (``cost_regret``:
+    target-equivalent calls, against the arm with the most rows per cost; the policy's objective), frames/s."""
     arms = [r.arm for r in spec.rounds]
     rewards = [r.rows for r in spec.rounds]
     report = spec.summary()
     report.update({
-        "arms": [f"L={L} {d}" for L, d in spec.arms],
+        "arms": [f"L={L} {d}" for L, d in spec.arms], "cost_model": spec.cost.to_dict(),
         "acceptance_by_level": {str(k): v for k, v in spec.acceptance_by_level(level_bin).items()},
         "regret": hindsight_regret(arms, rewards, len(spec.arms)) if rewards else None,
+        "cost_regret": hindsight_cost_regret(arms, rewards, [r.cost for r in spec.rounds], len(spec.arms))
+        if rewards else None,
         "seconds": seconds, "frames_per_second": frames / seconds if seconds > 0 else float("nan"),
         "arm_per_round": arms, "rows_per_round_trace": rewards,
         "accepted_per_round_trace": [r.accepted for r in spec.rounds]})

@@ -4,7 +4,11 @@ Generic: nothing here knows about the denoiser. Both rules are pure functions of
 given (``z``, ``u``), so a caller controls every random number and a test can feed hand-picked ones.
 
 Gaussian rule (De Bortoli et al., "Accelerated Diffusion Models via Speculative Sampling", arXiv
-2501.05370): target p = N(m_p, σ²), draft q = N(m_q, σ²) with the same per-element σ. The draft sample is
+2501.05370): target p = N(m_p, σ²), draft q = N(m_q, σ²) with the same per-element σ. The caller passes the
+draft's and the target's σ separately and the rule refuses (:class:`SigmaMismatchError`) when they differ:
+with different variances the reflection below is not a coupling of q and p (a caller passing the draft's
+σ = 1.5 for a target N(0.5, 1) would get N(0.5, 1.5²)), and no exact rule for that case is implemented. The
+draft sample is
 y = m_q + σ·z. With Δ = (m_p − m_q)/σ over all elements of one sample,
 
     accept  when  log u ≤ ⟨z, Δ⟩ − ‖Δ‖²/2  (= log p(y)/q(y)),
@@ -22,17 +26,27 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gaussian_accept_or_reflect", "token_accept_or_resample", "gaussian_acceptance_probability"]
+from arvdm.errors import ArvdmError
+
+__all__ = ["gaussian_accept_or_reflect", "token_accept_or_resample", "gaussian_acceptance_probability",
+           "SigmaMismatchError"]
+
+
+class SigmaMismatchError(ArvdmError):
+    """The Gaussian rule was given a draft and a target with different σ (it is exact only for equal σ)."""
 
 
 def gaussian_accept_or_reflect(z: torch.Tensor, mean_draft: torch.Tensor, mean_target: torch.Tensor,
-                               sigma: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                               sigma_draft: torch.Tensor, sigma_target: torch.Tensor,
+                               u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative Gaussian transition per row of the batch.
 
     Args:
-        z: (batch, ...) the standard normal draw that made the draft sample ``mean_draft + sigma * z``.
+        z: (batch, ...) the standard normal draw that made the draft sample ``mean_draft + sigma_draft * z``.
         mean_draft, mean_target: (batch, ...) means of q and p.
-        sigma: (batch, ...) or broadcastable to z (e.g. (B, T, 1, 1, 1)); >= 0, shared by p and q.
+        sigma_draft, sigma_target: (batch, ...) or broadcastable to z (e.g. (B, T, 1, 1, 1)); >= 0, the σ of q
+            and of p. They must be equal element for element (bit for bit: exactness is not approximate),
+            else :class:`SigmaMismatchError`.
         u: (batch,) uniforms in [0, 1).
 
     Returns:
@@ -42,10 +56,7 @@ def gaussian_accept_or_reflect(z: torch.Tensor, mean_draft: torch.Tensor, mean_t
     if mean_draft.shape != z.shape or mean_target.shape != z.shape:
         raise ValueError(f"z {tuple(z.shape)}, mean_draft {tuple(mean_draft.shape)} and mean_target "
                          f"{tuple(mean_target.shape)} must have the same shape")
-    try:
-        sigma = sigma.expand_as(z)  # (batch, ...)
-    except RuntimeError as err:
-        raise ValueError(f"sigma of shape {tuple(sigma.shape)} does not broadcast to z {tuple(z.shape)}") from err
+    sigma = _sigma_of_both(sigma_draft, sigma_target, z)  # (batch, ...)
     b = z.shape[0]
     if u.shape != (b,):
         raise ValueError(f"u must have shape (batch,) = ({b},), got {tuple(u.shape)}")
@@ -78,6 +89,27 @@ def gaussian_accept_or_reflect(z: torch.Tensor, mean_draft: torch.Tensor, mean_t
     y_reflected = mean_target + sigma * z_reflected
     y = torch.where(accepted.reshape(shape), y_draft, y_reflected)
     return y, accepted
+
+
+def _sigma_of_both(sigma_draft: torch.Tensor, sigma_target: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The one σ of draft and target, expanded to z's shape; SigmaMismatchError when they differ."""
+    expanded = []
+    for name, sigma in (("sigma_draft", sigma_draft), ("sigma_target", sigma_target)):
+        try:
+            sigma = sigma if isinstance(sigma, torch.Tensor) else torch.as_tensor(sigma, dtype=z.dtype, device=z.device)
+            expanded.append(sigma.expand_as(z))  # (batch, ...)
+        except RuntimeError as err:
+            raise ValueError(f"{name} of shape {tuple(torch.as_tensor(sigma).shape)} does not broadcast to z "
+                             f"{tuple(z.shape)}") from err
+    sd, st = expanded
+    if not torch.equal(sd.double(), st.double()):
+        differ = sd.double() != st.double()
+        i = tuple(int(v) for v in differ.nonzero()[0])
+        raise SigmaMismatchError(
+            f"sigma_draft and sigma_target differ at {int(differ.sum())} of {differ.numel()} elements (e.g. at "
+            f"{i}: sigma_draft {float(sd[i]):.6g}, sigma_target {float(st[i]):.6g}): the accept-or-reflect rule "
+            "samples the target exactly only when draft and target share sigma")
+    return st
 
 
 def gaussian_acceptance_probability(delta_norm: float | torch.Tensor) -> torch.Tensor:
