@@ -70,7 +70,7 @@ def keeping_sinks(base: RetentionPolicy, sink: int, recent: int) -> RetentionPol
 
 
 def convert_layers(layers: Sequence[Any], chosen: Sequence[int], *, sink: int, recent: int,
-            caches: Sequence[Any] | None = None, n_committed: int | None = None) -> None:
+                   caches: Sequence[Any] | None = None, n_committed: int | None = None) -> None:
     """Make ``chosen`` layers streaming (sink + recent) and the others full; cut the chosen caches at once.
 
     With ``caches`` (one per layer, e.g. ``RolloutState.caches``) the chosen layers' caches switch to the
@@ -193,7 +193,7 @@ class HybridModel(torch.nn.Module):
             chosen, ratios = resolve_layers(dataclasses.replace(h, select="offline"), len(self.layers), self.offline)
             source = "offline (context too short)"
         convert_layers(self.layers, chosen, sink=h.sink, recent=h.recent, caches=state.caches,
-                n_committed=state.n_committed)
+                       n_committed=state.n_committed)
         for i, cache in enumerate(state.caches):  # the full layers drop the sinks their memory does not keep
             if i not in chosen:
                 cache.policy = self.base_policy

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from arvdm.speculative.cost import hindsight_cost_regret
+
 __all__ = ["ArmPolicy", "UCBSpec", "EXP3Spec", "FixedArm", "PerContext", "ucb_bonus", "stopping_time", "best_fixed_arm",
            "stopping_time_regret", "hindsight_regret"]
 
@@ -222,11 +224,9 @@ def hindsight_regret(arms: Sequence[int], rewards: Sequence[float], n_arms: int)
     """Regret estimate when only the played rewards are known (a real rollout, no counterfactuals).
 
     The best fixed arm is the one with the highest mean observed reward μ̂*; it would have needed about
-    Σ Y / μ̂* rounds for what the policy produced in len(rewards) rounds.
+    Σ Y / μ̂* rounds for what the policy produced in len(rewards) rounds. This is
+    ``hindsight_cost_regret`` with every round costing 1.
     """
-    arms_a, rewards_a = np.asarray(arms, dtype=np.int64), np.asarray(rewards, dtype=np.float64)
-    means = np.array([rewards_a[arms_a == i].mean() if (arms_a == i).any() else np.nan for i in range(n_arms)])
-    best = int(np.nanargmax(means))
-    rounds_best = float(rewards_a.sum() / means[best])
-    return {"best_arm": best, "best_arm_mean": float(means[best]), "rounds": int(len(rewards_a)),
-            "rounds_best_arm_estimate": rounds_best, "regret": float(len(rewards_a) - rounds_best)}
+    r = hindsight_cost_regret(arms, rewards, np.ones(len(rewards)), n_arms)
+    return {"best_arm": r["best_arm"], "best_arm_mean": r["best_arm_rows_per_cost"], "rounds": r["rounds"],
+            "rounds_best_arm_estimate": r["cost_best_arm_estimate"], "regret": r["regret"]}
