@@ -31,6 +31,7 @@ class SamplingError(ArvdmError):
 
 
 SCHEDULE_PRESETS = ("chunked", "fifo", "pyramid")  # names arvdm.schedules.get_schedule builds
+MEMORY_SELECT = ("time", "pose")  # how memory frames are chosen (memory/select.py)
 MEMORY_STRUCTURES = ("prepend", "channel_concat", "cross_attention")  # how the past reaches the network
 PREPEND, CHANNEL_CONCAT, CROSS_ATTENTION = MEMORY_STRUCTURES
 TEMPORAL_ATTENTION_FORMS = ("factorized", "full")  # per spatial position | all tokens of all frames
@@ -129,6 +130,13 @@ class MemoryConfig:
     retention: str = "last"  # all | last | sink_recent
     sink: int = 0  # s, for sink_recent
     recent: int = 0  # r, for sink_recent
+    # Memory chosen by camera pose (memory/select.py): "time" = the retention policy above; "pose" = of the m
+    # memory frames, `pose_frames` are chosen from the older past by pose match to the window, the rest are
+    # the most recent; training clips are built the same way and the model reads each frame's relative pose.
+    select: str = "time"  # time | pose
+    pose_frames: int = 0  # k (select=pose): memory frames chosen by pose, 1..length
+    bank_size: int = 1024  # select=pose: frames a rollout keeps per sample to choose from (redundant views dropped)
+    match_share: float = 0.5  # select=pose: share of training windows with an earlier matching view (oversampled)
 
     def validate(self) -> None:
         _check(self.structure in MEMORY_STRUCTURES, "memory.structure",
@@ -155,6 +163,16 @@ class MemoryConfig:
                "memory.retention", self.retention,
                "is unbounded, but memory.structure=channel_concat with memory.compressor=none has a fixed number "
                "of slots (memory.length): use last or sink_recent, or a compressor")
+        _check(self.select in MEMORY_SELECT, "memory.select", self.select, f"must be one of {MEMORY_SELECT}")
+        if self.select == "pose":
+            _check(1 <= self.pose_frames <= self.length, "memory.pose_frames", self.pose_frames,
+                   f"must be in 1..memory.length={self.length} with memory.select=pose")
+            _check(self.bank_size >= self.length, "memory.bank_size", self.bank_size,
+                   f"must be >= memory.length={self.length}")
+            _check(0.0 <= self.match_share < 1.0, "memory.match_share", self.match_share, "must be in [0, 1)")
+            _check(self.compressor == "none" and self.retention == "last", "memory.compressor/retention",
+                   (self.compressor, self.retention), "must be none/last with memory.select=pose (the window's "
+                   "memory is chosen per window; compressed or streaming banks are not supported with it)")
 
 
 @dataclass

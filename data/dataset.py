@@ -248,6 +248,7 @@ class ClipDataset(Dataset):
         # DataLoader workers get the dataset pickled (spawn) or forked: open maps stay with their process.
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
+        state.pop("_decoded", None)
         return state
 
     def __getitem__(self, index: int) -> dict:
@@ -265,6 +266,44 @@ class ClipDataset(Dataset):
             frames = np.array(video_map[start:stop:self.frame_skip])  # (T, H, W, 3) uint8: copies the frames
         else:
             frames = np.array(read_frames(path, start, stop)[:: self.frame_skip])  # (T, H, W, 3) uint8, writable
+        item = {"video": self._convert(frames),
+                "actions": torch.from_numpy(actions[start:stop:self.frame_skip].copy()),
+                "episode": episode, "start": start}
+        if self.has_pose:
+            item["pose"] = torch.from_numpy(pose[start:stop:self.frame_skip].copy())
+        return item
+
+    DECODED_BYTES = 256 * 2**20  # decoded videos of compressed episodes kept per process by `frames_at`
+
+    def frames_at(self, episode: int, indices) -> torch.Tensor:
+        """Frames of `episode` at raw frame `indices` (any order), converted like an item's video (T, C, H, W).
+
+        For clips whose frames are not consecutive (memory chosen by pose, arvdm.training.pose_clips). A stored
+        npz is read through its memory map; a compressed one (or mp4) is decoded whole once and kept in a small
+        per-process LRU, so choosing a few frames of an episode costs one decode, not one per frame.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        video_map = self._episode(episode)[0] if self.mmap else None
+        if video_map is not None:
+            return self._convert(np.array(video_map[idx]))  # (T, H, W, 3) uint8 copy
+        decoded = self.__dict__.setdefault("_decoded", OrderedDict())
+        if episode in decoded:
+            decoded.move_to_end(episode)
+        else:
+            decoded[episode] = read_frames(self.episodes[episode], 0, int(self.lengths[episode]))
+            while len(decoded) > 1 and sum(v.nbytes for v in decoded.values()) > self.DECODED_BYTES:
+                decoded.popitem(last=False)
+        return self._convert(np.array(decoded[episode][idx]))
+
+    def track(self, episode: int) -> tuple[np.ndarray, np.ndarray]:
+        """Actions (T,) and poses (T, 3) of a whole episode (raw frames); raises when it has no poses."""
+        if not self.has_pose:
+            raise DatasetError(f"{self.split_dir}: episodes have no 'pose' array (needed for memory chosen by pose)")
+        _, actions, pose = self._episode(episode) if self.mmap else (None, *read_actions_pose(self.episodes[episode]))
+        return actions, pose
+
+    def _convert(self, frames: np.ndarray) -> torch.Tensor:
+        """(T, H, W, 3) uint8 frames -> the item's video (T, C, H, W): uint8 or float in [-1, 1], resized."""
         video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (T, C, H, W) uint8 view
         resize = self.resize and tuple(video.shape[-2:]) != (self.resize, self.resize)
         if self.video_dtype == "float32" or resize:
@@ -274,12 +313,7 @@ class ClipDataset(Dataset):
                                   antialias=True, align_corners=False).clamp_(-1.0, 1.0)
             if self.video_dtype == "uint8":  # resized frames stored at 8 bits, as a data set made at that size
                 video = video.add_(1.0).mul_(127.5).round_().to(torch.uint8)
-        item = {"video": video,
-                "actions": torch.from_numpy(actions[start:stop:self.frame_skip].copy()),
-                "episode": episode, "start": start}
-        if self.has_pose:
-            item["pose"] = torch.from_numpy(pose[start:stop:self.frame_skip].copy())
-        return item
+        return video
 
     def __repr__(self) -> str:
         kind = "random-start" if self.random_start else "sequential"

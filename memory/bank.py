@@ -24,9 +24,13 @@ class MemoryFrames:
         actions: (B, m) int64 actions of those frames.
         positions: (m,) int64 absolute frame indices, ascending; `None` means `0..m-1`. The window that
             follows starts at `positions[-1] + 1` (or at m), which fixes the temporal (RoPE) distances.
-        poses: optional (B, m, P) float poses (for evaluation; the model ignores them).
+        poses: optional (B, m, 3) float poses (x, y, heading). A pose-aware model (memory.select=pose) reads
+            them relative to the window's first target pose; other models ignore them.
         next_index: the window's start as a Python int, when the caller knows it (the bank does): then
             `window_start` need not read `positions[-1]` back from the device (a host-device sync per call).
+        ages: optional (B, m) int64 frames between each memory frame and the window (per sample; frames
+            chosen by pose sit at canonical positions, so their real age is given here). None = from positions.
+        target_poses: optional (B, w, 3) poses of the window's frames the memory was chosen for.
     """
 
     frames: torch.Tensor
@@ -34,6 +38,8 @@ class MemoryFrames:
     positions: torch.Tensor | None = None
     poses: torch.Tensor | None = None
     next_index: int | None = None
+    ages: torch.Tensor | None = None
+    target_poses: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.frames.shape[1]
@@ -120,14 +126,18 @@ class MemoryBank:
             self.poses = self.poses.index_select(1, idx)  # (B, kept, P)
         self.positions = [self.positions[i] for i in slots]
 
-    def memory(self) -> MemoryFrames | None:
-        """The kept frames as `MemoryFrames` (with their absolute positions); None when empty."""
+    def memory(self, target_poses: torch.Tensor | None = None) -> MemoryFrames | None:
+        """The kept frames as `MemoryFrames` (with their absolute positions); None when empty.
+
+        `target_poses` (B, w, 3), the poses of the window to come, is passed on (time-based retention does not
+        depend on it; `memory.select.PoseBank.memory` does).
+        """
         if not self.positions:
             return None
         if self._positions_tensor is None:  # one host-to-device copy per commit, not one per denoising call
             self._positions_tensor = torch.tensor(self.positions, dtype=torch.long, device=self.frames.device)
         return MemoryFrames(self.frames, self.actions, positions=self._positions_tensor, poses=self.poses,
-                            next_index=self.positions[-1] + 1)
+                            next_index=self.positions[-1] + 1, target_poses=target_poses)
 
     def nbytes(self) -> int:
         """Bytes held by the kept frames, actions and poses."""

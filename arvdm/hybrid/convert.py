@@ -154,34 +154,34 @@ class HybridModel(torch.nn.Module):
         self._activate()
         return self.model(*args, **kwargs)
 
-    def init_state(self, batch_size: int):
+    def init_state(self, batch_size: int, memory_select: str | None = None):
         h = self.hybrid
         if self.fixed is not None:
             chosen, ratios = self.fixed
             self.streaming_layers = list(chosen)
             self._activate()
             state = self.model.init_state(batch_size, layer_policies=layer_policies(
-                self.base_policy, len(self.layers), chosen, h.sink, h.recent))
+                self.base_policy, len(self.layers), chosen, h.sink, h.recent), memory_select=memory_select)
             self._record(chosen, ratios, h.select)
         else:
             self.streaming_layers = []  # measure with every layer full
             self._activate()
-            state = self.model.init_state(batch_size)
+            state = self.model.init_state(batch_size, memory_select=memory_select)
             for cache in state.caches:  # any layer may stream after the context: keep the sinks until then
                 cache.policy = keeping_sinks(self.base_policy, h.sink, h.recent)
             self._pending.add(id(state))
         self.last_state = state
         return state
 
-    def commit(self, state, frames, actions, poses=None) -> None:
+    def commit(self, state, frames, actions, poses=None, target_poses=None) -> None:
         self._activate()
         if id(state) not in self._pending:
-            self.model.commit(state, frames, actions, poses)
+            self.model.commit(state, frames, actions, poses, target_poses)
             return
         self._pending.discard(id(state))
         h = self.hybrid
         with measuring(self.layers, sink=h.sink, recent=h.recent, last_frames=h.last_frames) as meters:
-            self.model.commit(state, frames, actions, poses)
+            self.model.commit(state, frames, actions, poses, target_poses)
         if state.n_committed > h.sink + h.recent:
             ratios = [m.ratio for m in meters]
             chosen, source = select_layers(ratios, h.fraction), "online"

@@ -55,10 +55,10 @@ from arvdm.checks import value_checks_enabled
 from arvdm.config import CHANNEL_CONCAT, CROSS_ATTENTION, FACTORIZED, PREPEND, Config
 from arvdm.errors import ArvdmError
 from arvdm.model import checkpoint
-from arvdm.model.layers import Block, FinalLayer, LevelEmbedding, Rotary
+from arvdm.model.layers import Block, FinalLayer, LevelEmbedding, PoseTags, Rotary
 from arvdm.model.state import RolloutState
 from arvdm.model.unet import ConvDecoder, ConvEncoder
-from memory import KVCache, MemoryBank, MemoryFrames, RetentionPolicy, build_compressor
+from memory import KVCache, MemoryFrames, RetentionPolicy, build_compressor, make_bank, relative_pose
 from memory.compress import sinusoidal
 
 __all__ = ["Denoiser", "DenoiserError"]
@@ -132,8 +132,13 @@ class Denoiser(nn.Module):
         self.compressor = build_compressor(mem.compressor, dim=d, heads=mc.heads, num_tokens=self.num_tokens,
                                            budget=mem.budget, num_actions=mc.num_actions)
         self.memory_slots = mem.budget if self.compressor is not None else mem.length  # L
+        # memory chosen by pose (memory/select.py): each memory frame and window frame is tagged with its pose
+        # relative to the window (and its age); the memory is chosen anew for every window
+        self.pose_aware = mem.select == "pose"
+        if self.pose_aware:
+            self.pose_tags = PoseTags(d)
         # raw frames as a prefix: committed frames' K/V are cached per layer (else rebuilt at every commit)
-        self.caches_committed_kv = self.memory_prefix and self.compressor is None
+        self.caches_committed_kv = self.memory_prefix and self.compressor is None and not self.pose_aware
         self.tokens_per_frame = 1 if mc.temporal_attention == FACTORIZED else self.num_tokens  # temporal attention
         if self.memory_concat:
             self.memory_proj = nn.Linear(self.memory_slots * d, d)  # (L*D) -> D per spatial position
@@ -152,6 +157,10 @@ class Denoiser(nn.Module):
     def num_params(self, trainable_only: bool = False) -> int:
         """Number of parameters (all, or only those with requires_grad)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def _tags(self, poses: torch.Tensor, target_poses: torch.Tensor, ages: torch.Tensor | None) -> torch.Tensor:
+        """Pose (and age) tags (B,T,D) of frames at `poses` (B,T,3) for a window at `target_poses` (B,w,3)."""
+        return self.pose_tags(relative_pose(poses.float(), target_poses[:, 0].float()), ages)
 
     def check_schedule(self, delta, window: int | None = None) -> None:
         """Refuse a schedule this checkpoint cannot serve.
@@ -262,6 +271,12 @@ class Denoiser(nn.Module):
                                 f"{m} memory frames")
         tokens, _ = self._embed_frames(mem.frames, self._cond(torch.zeros_like(mem.actions), mem.actions))
         ages = start - pos  # (m,)
+        if self.pose_aware:
+            if mem.poses is None or mem.target_poses is None:
+                raise DenoiserError("a pose-aware model (memory.select=pose) needs memory.poses and "
+                                    "memory.target_poses (the poses of the frames to generate)")
+            per_sample_ages = mem.ages if mem.ages is not None else ages.expand(batch, m)  # (B,m)
+            tokens = tokens + self._tags(mem.poses, mem.target_poses, per_sample_ages)[:, :, None]  # (B,m,N,D)
         if self.compressor is None:
             return _Memory(tokens, mem.actions, pos, ages, latent=False)
         lat = self.compressor(tokens, mem.actions, ages)  # (B,L,N,D)
@@ -317,6 +332,12 @@ class Denoiser(nn.Module):
         b, t = x.shape[:2]
         cond = self._cond(levels, actions)  # (B,T,D)
         h, skips = self._embed_frames(x, cond)  # (B,T,N,D)
+        target_poses = state.target_poses if state is not None else memory.target_poses if memory else None
+        if self.pose_aware and target_poses is not None:
+            if target_poses.shape[:2] != (b, t):
+                raise DenoiserError(f"target_poses must be (B, T, 3) = {(b, t, 3)} for this window, got "
+                                    f"{tuple(target_poses.shape)}")
+            h = h + self._tags(target_poses, target_poses, None)[:, :, None]  # (B,T,N,D)
         win_cond = cond
         n_prefix, prefix_chunk, pasts, cross_kv = 0, 1, None, None
 
@@ -353,13 +374,16 @@ class Denoiser(nn.Module):
         return self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C,H,W)
 
     # -- cached rollout ----------------------------------------------------------------------------
-    def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None) -> RolloutState:
+    def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None,
+                   memory_select: str | None = None) -> RolloutState:
         """A fresh `RolloutState`: empty bank (policy from cfg.memory) and, for prepend, per-layer caches.
 
         Args:
             batch_size: B of the rollout.
             layer_policies: optional per-layer cache policies (e.g. streaming layers for hybrid
                 attention); default: every layer uses the memory retention policy.
+            memory_select: how a pose-aware model chooses memory frames (`memory.SELECTIONS`: pose, time, none,
+                other); None = pose for a pose-aware model, the retention policy otherwise (`memory.make_bank`).
         """
         policy = RetentionPolicy.from_config(self.cfg.memory)
         caches = []
@@ -373,18 +397,19 @@ class Denoiser(nn.Module):
             else:
                 caches = [KVCache(layer_policies[i] if layer_policies else policy, tpf)
                           for i in range(len(self.blocks))]
-        return RolloutState(bank=MemoryBank(policy), caches=caches, batch_size=batch_size)
+        return RolloutState(bank=make_bank(self.cfg.memory, memory_select), caches=caches, batch_size=batch_size)
 
     @torch.no_grad()
     def commit(self, state: RolloutState, frames: torch.Tensor, actions: torch.Tensor,
-               poses: torch.Tensor | None = None) -> None:
+               poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None) -> None:
         """Write clean frames that left the window into the rollout state.
 
         Args:
             state: from `init_state`.
             frames: (B,n,C,H,W) clean frames, n a multiple of `model.frames_per_chunk`.
             actions: (B,n) their actions.
-            poses: optional (B,n,P), kept in the bank for evaluation.
+            poses: (B,n,3) their poses: required by a pose-aware model (memory.select=pose), else optional.
+            target_poses: (B,w,3) poses of the next window's frames (pose-aware models choose its memory by them).
 
         The frames go to the bank (retention applied). For prepend with raw frames they also run through
         the network at level 0, attending to what the cache holds now, and their K/V are appended to
@@ -409,6 +434,7 @@ class Denoiser(nn.Module):
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, range(start, start + n))
         state.bank.append(frames, actions, poses)
+        state.target_poses = target_poses
         for cache in state.caches:
             cache.evict(state.n_committed)
         self._refresh(state)
@@ -417,15 +443,18 @@ class Denoiser(nn.Module):
         """Rebuild the per-commit memory representation from the bank (all but raw prepend)."""
         if self.caches_committed_kv:
             return
-        mem = self._memory(state.bank.memory(), state.batch_size)
+        if self.pose_aware and state.target_poses is None:
+            raise DenoiserError("a pose-aware model (memory.select=pose) chooses each window's memory by the "
+                                "window's poses: commit(..., target_poses=(B, w, 3))")
+        mem = self._memory(state.bank.memory(state.target_poses), state.batch_size)
         if self.memory_prefix:
             for cache in state.caches:
                 cache.reset()
             if mem is None:
                 return
-            n_lat = mem.tokens.shape[1]  # latents see each other (one chunk), never the window
-            _, kvs = self._run(mem.tokens, self._prefix_cond(mem), mem.positions, n_prefix=n_lat,
-                               prefix_chunk=n_lat)
+            n_mem = mem.tokens.shape[1]  # memory sees itself (latents: one chunk), never the window
+            _, kvs = self._run(mem.tokens, self._prefix_cond(mem), mem.positions, n_prefix=n_mem,
+                               prefix_chunk=n_mem if mem.latent else self.frames_per_chunk)
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, mem.positions.tolist())
         elif self.memory_concat:

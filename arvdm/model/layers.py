@@ -24,7 +24,7 @@ from arvdm.config import FACTORIZED
 from memory import RetentionPolicy
 from memory.compress import sinusoidal
 
-__all__ = ["AttentionCall", "Block", "CrossAttention", "FinalLayer", "LevelEmbedding", "Rotary",
+__all__ = ["AttentionCall", "Block", "CrossAttention", "FinalLayer", "LevelEmbedding", "PoseTags", "Rotary",
            "SpatialAttention", "TemporalAttention", "apply_rope", "modulate"]
 
 LEVEL_EMBED_SCALE = 1000.0  # levels are rescaled to 0..1000 before the sinusoid, whatever K is (DiT's range)
@@ -50,6 +50,39 @@ class LevelEmbedding(nn.Module):
     def forward(self, levels: torch.Tensor) -> torch.Tensor:
         t = levels.float() * (LEVEL_EMBED_SCALE / self.num_levels)  # (B,T)
         return self.mlp(sinusoidal(t, self.freq_dim))  # (B,T,freq) -> (B,T,D)
+
+
+class PoseTags(nn.Module):
+    """Where and when a frame was seen, as one vector per frame added to all its tokens (pose-aware memory).
+
+    rel (B,T,3) = the frame's pose in the window's frame (forward, left, heading change; `memory.relative_pose`)
+    -> features (offsets, distance, sin/cos of 1-3x the heading change) -> MLP; plus, for memory frames,
+    sinusoidal(age) -> MLP. Added to tokens (not only to the AdaLN condition) so that the temporal attention's
+    query-key products can compare a window frame's tag with a memory frame's (cos(a - b) is a dot product
+    of Fourier features). Both output layers start at zero: a new model behaves as one without poses.
+    """
+
+    HEADING_HARMONICS = 3
+    FEATURES = 3 + 2 * HEADING_HARMONICS
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.pose = nn.Sequential(nn.Linear(self.FEATURES, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.age = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        for last in (self.pose[-1], self.age[-1]):
+            nn.init.zeros_(last.weight)
+            nn.init.zeros_(last.bias)
+
+    def forward(self, rel: torch.Tensor, ages: torch.Tensor | None = None) -> torch.Tensor:
+        fwd, left, dh = rel.float().unbind(-1)  # (B,T) each
+        harmonics = torch.arange(1, self.HEADING_HARMONICS + 1, device=rel.device, dtype=torch.float32)
+        angles = dh[..., None] * harmonics  # (B,T,H)
+        feats = torch.cat([torch.stack([fwd, left, torch.hypot(fwd, left)], -1), angles.sin(), angles.cos()], -1)
+        out = self.pose(feats)  # (B,T,D)
+        if ages is not None:
+            out = out + self.age(sinusoidal(ages.float(), self.dim))  # (B,T,D)
+        return out
 
 
 class Rotary(nn.Module):

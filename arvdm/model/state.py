@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memory import KVCache, MemoryBank
+from memory import KVCache, MemoryBank, PoseBank
 
 __all__ = ["RolloutState"]
 
@@ -27,13 +27,15 @@ class RolloutState:
         batch_size: B of the rollout.
         memory_vec: channel_concat only: the projected memory (B,N,D) added to every window token.
         cross_kv: cross_attention only: per layer (K, V) of the memory tokens.
+        target_poses: pose-aware models only: (B,w,3) poses of the window the memory was chosen for.
     """
 
-    bank: MemoryBank
+    bank: MemoryBank | PoseBank
     caches: list[KVCache] = field(default_factory=list)
     batch_size: int = 1
     memory_vec: torch.Tensor | None = None
     cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    target_poses: torch.Tensor | None = None
 
     @property
     def n_committed(self) -> int:

@@ -38,7 +38,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.rows import PlainRows, RolloutContext, RolloutStep, RowRunner
 from arvdm.schedules.matrix import ARSchedule
-from memory import MemoryBank, RetentionPolicy
+from memory import make_bank
 
 __all__ = ["rollout"]
 
@@ -47,8 +47,8 @@ __all__ = ["rollout"]
 def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSchedule, context: torch.Tensor,
             context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, *, eta: float | None = None,
             generator: torch.Generator | None = None, use_cache: bool = True, progress: bool = True,
-            return_intermediate: bool = False, rows: RowRunner | None = None
-            ) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+            return_intermediate: bool = False, rows: RowRunner | None = None, poses: torch.Tensor | None = None,
+            memory_select: str | None = None) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """Generate ``n_frames`` frames after ``context`` with a Meta-ARVDM schedule.
 
     Args:
@@ -73,6 +73,11 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             speculative runner moves samples through the rows at their own pace).
         rows: the :class:`RowRunner` that takes the window through each matrix's rows; None =
             :class:`PlainRows`. E.g. ``arvdm.speculative.rows.SpeculativeRows(spec)`` (exact; eta > 0).
+        poses: (B, >= C + n_frames, 3) float camera poses (x, y, heading) of the context and the frames to
+            generate, as they come with the episode (like its actions). Required by a pose-aware model
+            (memory.select=pose), which chooses each window's memory by them; ignored by other models.
+        memory_select: how a pose-aware model chooses memory (``memory.SELECTIONS``: pose, time, none, other;
+            same weights, another choice: the memory ablation); None = the model's own (pose / retention).
 
     Returns:
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.
@@ -83,22 +88,26 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     _check_action_range(model, context_actions, actions[:, :n_frames])  # once per rollout, not per call
     ctx = RolloutContext(model, diffusion, eta, generator, b, context.device, context.dtype,
                          record=[] if return_intermediate else None)
+    select = {} if memory_select is None else {"memory_select": memory_select}
     if use_cache:  # the model's own state (KV caches + bank)
-        ctx.state = model.init_state(b)
-    else:  # a bank we keep ourselves under the model's retention policy (the recomputing reference)
-        ctx.bank = MemoryBank(RetentionPolicy.from_config(model.cfg.memory))
+        ctx.state = model.init_state(b, **select)
+    else:  # a bank we keep ourselves, as the model's own (the recomputing reference)
+        ctx.bank = make_bank(model.cfg.memory, memory_select)
     runner = PlainRows() if rows is None else rows
     runner.start(ctx)
+    ctx_poses, win_poses = _poses(model, poses, schedule, n_ctx, n_frames, b, context.device)
     if n_ctx:
-        _commit(ctx, runner, context, context_actions.to(device=context.device, dtype=torch.long))
+        _commit(ctx, runner, context, context_actions.to(device=context.device, dtype=torch.long), ctx_poses,
+                None if win_poses is None else win_poses[:, :schedule.window])
     video = _run_schedule(ctx, runner, schedule, _window_actions(actions, schedule, n_frames, context.device),
-                          n_frames, context.shape[2:], progress)  # (B, n_frames, ch, H, W)
+                          n_frames, context.shape[2:], progress, win_poses)  # (B, n_frames, ch, H, W)
     return (video, ctx.record) if return_intermediate else video
 
 
 def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, acts: torch.Tensor, n_frames: int,
-                  frame_shape: tuple[int, ...], progress: bool) -> torch.Tensor:
-    """The initialization stage, then AR steps until ``n_frames`` frames are out: (B, n_frames, ch, H, W)."""
+                  frame_shape: tuple[int, ...], progress: bool, poses: torch.Tensor | None) -> torch.Tensor:
+    """The initialization stage, then AR steps until ``n_frames`` frames are out: (B, n_frames, ch, H, W).
+    ``poses`` (B, total, 3) are the window frames' poses (pose-aware models), aligned with ``acts``."""
     b, w, delta = ctx.batch_size, schedule.window, schedule.delta
     S = torch.tensor(schedule.matrix, device=ctx.device)  # (M+1, w) (a copy: the schedule's array is read-only)
     init = torch.tensor(schedule.init_matrix(), device=ctx.device)  # (M_init+1, w)
@@ -106,6 +115,7 @@ def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, 
     out: list[torch.Tensor] = []
     bar = tqdm(total=n_frames, unit="frame", desc=f"rollout ({schedule.name})", disable=not progress, leave=False)
     try:
+        ctx.window_poses = None if poses is None else poses[:, :w]
         x = runner.run_rows(x, init, acts[:, :w], "init", -1, 0)
         emitted = 0
         for a in range(schedule.num_ar_steps(n_frames)):
@@ -117,7 +127,10 @@ def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, 
             emitted += delta
             if emitted >= n_frames:
                 break  # nothing will look at these frames again: skip the commit
-            _commit(ctx, runner, done, acts[:, offset:offset + delta])
+            nxt = offset + delta
+            ctx.window_poses = None if poses is None else poses[:, nxt:nxt + w]  # the next window's
+            _commit(ctx, runner, done, acts[:, offset:nxt], None if poses is None else poses[:, offset:nxt],
+                    ctx.window_poses)
             # Shift: the window keeps t^O[Δ:] = t^I[:w-Δ] (circularity); Δ new frames enter at level K.
             x = torch.cat([x[:, delta:], ctx.noise((b, delta, *frame_shape))], dim=1)
             runner.shift(delta)
@@ -126,9 +139,30 @@ def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, 
     return torch.cat(out, dim=1)[:, :n_frames]  # (B, n_frames, ch, H, W)
 
 
-def _commit(ctx: RolloutContext, runner: RowRunner, frames: torch.Tensor, actions: torch.Tensor) -> None:
-    ctx.commit(frames, actions)
+def _commit(ctx: RolloutContext, runner: RowRunner, frames: torch.Tensor, actions: torch.Tensor,
+            poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None) -> None:
+    ctx.commit(frames, actions, poses, target_poses)
     runner.commit(frames, actions)
+
+
+def _poses(model: RolloutModel, poses: torch.Tensor | None, schedule: ARSchedule, n_ctx: int, n_frames: int, b: int,
+           device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(context poses (B, C, 3), window poses (B, total, 3): the generated frames', then the last repeated), or
+    (None, None) for a model that does not choose memory by pose."""
+    if model.cfg.memory.select != "pose":
+        return None, None
+    if poses is None:
+        raise ValueError("this model chooses memory by camera pose (memory.select=pose): pass rollout(poses=...), "
+                         "the (B, C + n_frames, 3) poses that come with the episode (data sets with a 'pose' array)")
+    if poses.dim() != 3 or poses.shape[0] != b or poses.shape[1] < n_ctx + n_frames or poses.shape[2] != 3:
+        raise ValueError(f"poses must be (B, >= C + n_frames, 3) = ({b}, >= {n_ctx + n_frames}, 3), got "
+                         f"{tuple(poses.shape)}")
+    if not poses.is_floating_point() or not bool(torch.isfinite(poses).all()):
+        raise ValueError("poses must be finite floats (x, y, heading): NaN, infinite or integer poses given")
+    poses = poses.to(device=device, dtype=torch.float32)
+    gen = poses[:, n_ctx:n_ctx + n_frames]  # (B, n_frames, 3)
+    total = schedule.num_ar_steps(n_frames) * schedule.delta + schedule.window  # every frame that enters a window
+    return poses[:, :n_ctx], torch.cat([gen, gen[:, -1:].expand(b, max(0, total - n_frames), 3)], dim=1)
 
 
 def _window_actions(actions: torch.Tensor, schedule: ARSchedule, n_frames: int, device: torch.device

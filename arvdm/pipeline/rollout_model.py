@@ -40,11 +40,15 @@ class RolloutModel(Protocol):
         """Raise when the model cannot serve a schedule that finishes ``delta`` frames per AR step of a
         ``window``-frame window (e.g. ``delta`` not a multiple of ``frames_per_chunk``)."""
 
-    def init_state(self, batch_size: int) -> Any:
-        """A fresh rollout state (memory bank + per-layer KV caches) for ``batch_size`` videos."""
+    def init_state(self, batch_size: int, memory_select: str | None = None) -> Any:
+        """A fresh rollout state (memory bank + per-layer KV caches) for ``batch_size`` videos; ``memory_select``
+        (pose-aware models: pose, time, none, other) is passed only when the caller overrides the model's choice."""
 
-    def commit(self, state: Any, frames: torch.Tensor, actions: torch.Tensor) -> None:
-        """Write (B, n, C, H, W) clean frames and their (B, n) actions that left the window into ``state``."""
+    def commit(self, state: Any, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
+               target_poses: torch.Tensor | None = None) -> None:
+        """Write (B, n, C, H, W) clean frames and their (B, n) actions that left the window into ``state``;
+        pose-aware models (``cfg.memory.select == "pose"``) also get their poses (B, n, 3) and the next window's
+        poses (B, w, 3), by which they choose its memory. Others are called with the first three only."""
 
     def __call__(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor, *,
                  memory: MemoryFrames | None = None, state: Any = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout_model import RolloutModel
-from memory import MemoryBank
+from memory import MemoryBank, PoseBank
 
 __all__ = ["RolloutStep", "RolloutContext", "RowRunner", "PlainRows"]
 
@@ -71,8 +71,9 @@ class RolloutContext:
     device: torch.device
     dtype: torch.dtype
     state: Any = None
-    bank: MemoryBank | None = None
+    bank: MemoryBank | PoseBank | None = None
     record: list[RolloutStep] | None = None
+    window_poses: torch.Tensor | None = None  # (B, w, 3) poses of the window's frames (pose-aware models), else None
 
     def noise(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The next standard normal draw of the rollout's generator."""
@@ -82,14 +83,18 @@ class RolloutContext:
         """The model's v (B, w, C, H, W) for the window ``x`` at ``levels`` (B, w), given the whole past."""
         if self.bank is None:
             return self.model(x, levels, actions, state=self.state)
-        return self.model(x, levels, actions, memory=self.bank.memory())  # the whole past, recomputed
+        return self.model(x, levels, actions, memory=self.bank.memory(self.window_poses))  # recomputed
 
-    def commit(self, frames: torch.Tensor, actions: torch.Tensor) -> None:
-        """Frames (B, n, C, H, W) that left the window, with their (B, n) actions, into the past."""
-        if self.bank is None:
+    def commit(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
+               target_poses: torch.Tensor | None = None) -> None:
+        """Frames (B, n, C, H, W) that left the window, with their (B, n) actions, into the past; pose-aware models
+        also take their poses (B, n, 3) and the next window's (B, w, 3), by which its memory is chosen."""
+        if self.bank is not None:
+            self.bank.append(frames, actions, poses)
+        elif poses is None:
             self.model.commit(self.state, frames, actions)
         else:
-            self.bank.append(frames, actions)
+            self.model.commit(self.state, frames, actions, poses, target_poses)
 
 
 class RowRunner(Protocol):

@@ -23,7 +23,8 @@ import torch
 
 from arvdm.config import Config
 from arvdm.errors import ArvdmError
-from data.dataset import ClipDataset, to_float_video
+from arvdm.training.pose_clips import PoseMemoryClips
+from data.dataset import ClipDataset, DatasetError, to_float_video
 from data.generate import ensure_dataset
 
 # The stand-in generator runs in at most this many processes (fewer on a machine with fewer cores).
@@ -108,16 +109,41 @@ def make_dataset(cfg: Config, split: str, n_frames: int, random_start: bool = Tr
     return ds
 
 
+def make_clips(cfg: Config, split: str, progress: bool = False) -> ClipDataset | PoseMemoryClips:
+    """The clips training draws from: m + w consecutive frames (memory.select=time), or k frames chosen by pose
+    + r = m - k recent + w window frames (memory.select=pose, `PoseMemoryClips`)."""
+    mem, w = cfg.memory, cfg.train.window
+    if mem.select != "pose":
+        return make_dataset(cfg, split, mem.length + w, progress=progress)
+    clips = make_dataset(cfg, split, mem.length - mem.pose_frames + w, progress=progress)
+    try:
+        return PoseMemoryClips(clips, mem.pose_frames, w, mem.match_share, seed=cfg.train.seed)
+    except DatasetError as e:
+        raise TrainingError(f"memory.select=pose: {e}") from e
+
+
 def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Clips -> one batch: video (B, T, C, H, W) as the clips hold it, actions int64 (B, T)."""
-    return {"video": torch.stack([it["video"] for it in items]),
-            "actions": torch.stack([torch.as_tensor(it["actions"]) for it in items]).long()}
+    """Clips -> one batch: video (B, T, C, H, W) as the clips hold it, actions int64 (B, T); with pose-chosen
+    memory also pose float (B, T, 3) and ages int64 (B, m)."""
+    batch = {"video": torch.stack([it["video"] for it in items]),
+             "actions": torch.stack([torch.as_tensor(it["actions"]) for it in items]).long()}
+    if "ages" in items[0]:
+        batch["pose"] = torch.stack([it["pose"] for it in items]).float()
+        batch["ages"] = torch.stack([it["ages"] for it in items]).long()
+    return batch
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A collated batch on `device`: video float (B, T, C, H, W) in [-1, 1] (uint8 converted there), actions."""
     video = to_float_video(batch["video"].to(device, non_blocking=True))  # (B, T, C, H, W)
     return video, batch["actions"].to(device, non_blocking=True)  # ..., (B, T)
+
+
+def pose_memory(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The pose-chosen memory's extras of a batch on `device`: {"poses": (B, T, 3), "ages": (B, m)}, or {}."""
+    if "ages" not in batch:
+        return {}
+    return {"poses": batch["pose"].to(device, non_blocking=True), "ages": batch["ages"].to(device, non_blocking=True)}
 
 
 class BatchDataset(torch.utils.data.Dataset):

@@ -25,21 +25,31 @@ MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
 ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
 
 
-def memory_frames(frames: torch.Tensor, actions: torch.Tensor) -> MemoryFrames:
-    """The model's `memory=` argument for clean past frames (B,m,C,H,W) and their actions (B,m)."""
-    return MemoryFrames(frames, actions)  # positions 0..m-1; the window follows at m..m+w-1
+def memory_frames(frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
+                  ages: torch.Tensor | None = None) -> MemoryFrames:
+    """The model's `memory=` argument for clean past frames (B,m,C,H,W) and their actions (B,m).
+
+    Pose-chosen memory (memory.select=pose) also gives `poses` (B,m+w,3) of memory and window frames and the
+    memory frames' `ages` (B,m): the window's poses become the memory's `target_poses`.
+    """
+    m = frames.shape[1]
+    if poses is None:
+        return MemoryFrames(frames, actions)  # positions 0..m-1; the window follows at m..m+w-1
+    return MemoryFrames(frames, actions, poses=poses[:, :m], ages=ages, target_poses=poses[:, m:])
 
 
 def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int,
                            num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
-                           weight: str = "uniform", gamma: float = 5.0):
+                           weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
+                           ages: torch.Tensor | None = None):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
     Each window frame draws its own level in 0..K (diffusion forcing). Frames that drew level 0 are clean
     inputs: their v-target is pure noise the model cannot know, so they condition the others but are
     left out of the loss (they still teach it to read clean frames in the window). `weight` is
-    `PerFrameDiffusion.loss_weight`'s kind (uniform or min_snr with `gamma`).
+    `PerFrameDiffusion.loss_weight`'s kind (uniform or min_snr with `gamma`). `poses` (B, m+w, 3) and `ages`
+    (B, m) come with pose-chosen memory (`arvdm.training.loader.pose_memory`).
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -49,7 +59,7 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     levels, noise = levels.to(x0.device), noise.to(x0.device)
     x_t = diffusion.add_noise(x0, noise, levels)  # (B, w, C, H, W)
     target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
-    mem = memory_frames(video[:, :m], actions[:, :m]) if m > 0 else None
+    mem = memory_frames(video[:, :m], actions[:, :m], poses, ages) if m > 0 else None
     with autocast():
         v = model(x_t, levels, act, memory=mem)  # (B, w, C, H, W)
     per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)

@@ -60,9 +60,10 @@ from arvdm.training.loader import (
     ResumableSampler,
     TrainingError,
     collate,
-    make_dataset,
+    make_clips,
     make_loader,
     mix_seed,
+    pose_memory,
     prepare_data,
     to_device,
 )
@@ -95,8 +96,8 @@ class Trainer:
         cfg.data.abs_path = str(resolve_data_path(cfg, self.run_dir, flag="--data").resolve())
 
         # Data: clips of m memory frames + w window frames from the same episode.
-        self.train_ds = make_dataset(cfg, "training", self.m + self.w, progress=self.dist.is_main)
-        self.val_ds = make_dataset(cfg, "validation", self.m + self.w, progress=self.dist.is_main)
+        self.train_ds = make_clips(cfg, "training", progress=self.dist.is_main)
+        self.val_ds = make_clips(cfg, "validation", progress=self.dist.is_main)
         self.sampler = ResumableSampler(len(self.train_ds), tc.batch_size, tc.seed, self.dist.rank,
                                         self.dist.world_size)
         self._build_model()
@@ -168,13 +169,14 @@ class Trainer:
         count_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             video, actions = self._to_device(mb)  # (b, m+w, C, H, W) float in [-1, 1], (b, m+w)
+            extras = pose_memory(mb, self.device)  # pose-chosen memory: poses (b, m+w, 3), ages (b, m)
             # DDP all-reduces the gradients on the last micro-batch only.
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not self.dist.enabled else self.net.no_sync()
             with sync:
                 total, count = diffusion_forcing_loss(self.net, self.diffusion, video, actions, self.m, self.K,
                                                       self.generator, self.autocast, tc.loss_weight,
-                                                      tc.min_snr_gamma)
+                                                      tc.min_snr_gamma, **extras)
                 total.backward()
             total_sum += total.detach().float()
             count_sum += count.detach().float()
@@ -287,7 +289,7 @@ class Trainer:
             g = torch.Generator(device=self.device).manual_seed(mix_seed(tc.seed, "val", j))
             video, actions = self._to_device(batch)
             total, cnt = diffusion_forcing_loss(unwrap(model), self.diffusion, video, actions, self.m, self.K, g,
-                                                self.autocast)
+                                                self.autocast, **pose_memory(batch, self.device))
             sums += torch.stack([total.double(), cnt.double()])
         if self.dist.enabled:
             dist.all_reduce(sums)

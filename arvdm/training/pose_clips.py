@@ -1,0 +1,118 @@
+"""Training clips whose memory is chosen by pose, as a rollout chooses it (memory.select=pose).
+
+    ds = PoseMemoryClips(clips, pose_frames=4, match_share=0.5, seed=0)   # clips: ClipDataset of r + w frames
+    item = ds[i]   # video (k+r+w, C, H, W), actions (k+r+w,), pose (k+r+w, 3), ages (k+r,)
+
+With time-based memory a clip is m + w consecutive frames, and a memory frame almost never shows something
+the recent frames do not (revisits are 33-179 frames apart in the generated data): the loss never asks
+for memory, so the model learns to ignore it. Here a clip is
+
+    [k frames chosen from the episode's past by `memory.select_by_pose` against the window's poses]
+    + [r = m - k recent frames] + [w window frames]      (the last r + w consecutive)
+
+exactly what `memory.PoseBank.memory` hands a rollout. Windows with a frame that only memory can supply (a frame older than
+the recent ones is within MATCH_POSITION cells and MATCH_HEADING of it, and no frame since is) are oversampled to `match_share` of the index; in a DISTRACTOR_SHARE of clips one chosen slot holds
+a random older frame instead, so the model also sees memory frames it must not copy and learns from the
+pose tags when a memory frame is relevant.
+
+Items are a pure function of the index (the distractor draw is seeded by (seed, index)), so the trainer's
+resumable sampler restarts the stream exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from data.dataset import ClipDataset, DatasetError
+from memory.select import select_by_pose
+
+__all__ = ["PoseMemoryClips"]
+
+MATCH_POSITION = 0.5  # cells: an earlier frame this close ...
+MATCH_HEADING = math.radians(20.0)  # ... and this close in heading shows (nearly) the same view
+DISTRACTOR_SHARE = 0.25  # clips with one chosen slot replaced by a random older frame
+
+
+class PoseMemoryClips(Dataset):
+    """Clips of k pose-chosen + r recent memory frames and w window frames (see the module docstring).
+
+    Args:
+        clips: a `ClipDataset` of r + w consecutive frames (frame_skip 1, episodes with poses).
+        pose_frames: k, memory frames chosen by pose from before the recent ones.
+        match_share: share of the index given to windows with an earlier matching view (0 = no oversampling).
+        seed: seeds the distractor draws.
+        window: w (the rest of the clip's frames, r = n_frames - w, are the recent memory frames).
+    """
+
+    def __init__(self, clips: ClipDataset, pose_frames: int, window: int, match_share: float = 0.5, seed: int = 0):
+        if not clips.has_pose:
+            raise DatasetError(f"{clips.split_dir}: memory.select=pose needs episodes with a 'pose' array")
+        if clips.frame_skip != 1:
+            raise DatasetError("memory.select=pose needs data.frame_skip=1")
+        if not clips.random_start:
+            raise DatasetError("PoseMemoryClips needs a random-start ClipDataset")
+        self.clips, self.k, self.w, self.seed = clips, int(pose_frames), int(window), seed
+        self.r = clips.n_frames - self.w
+        if self.r < 0 or self.k < 1:
+            raise DatasetError(f"PoseMemoryClips: need pose_frames >= 1 and clips of >= window={self.w} frames")
+        matching, other = self._index()
+        if not matching and not other:
+            raise DatasetError(f"{clips.split_dir}: no episode is long enough for {self.k} chosen + "
+                               f"{clips.n_frames} consecutive frames")
+        repeat = 1
+        if matching and other and match_share > 0:  # copies of each matching window to reach match_share
+            repeat = max(1, round(match_share / (1 - match_share) * len(other) / len(matching)))
+        self.entries = np.array(other + matching * repeat, dtype=np.int64).reshape(-1, 2)  # (N, 2) episode, start
+        self.n_matching, self.n_other, self.repeat = len(matching), len(other), repeat
+
+    def _index(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(episode, start) of every clip, split by whether its window has an earlier matching view."""
+        matching, other = [], []
+        n = self.clips.n_frames
+        for e, length in enumerate(self.clips.lengths.tolist()):
+            if length < self.k + n:
+                continue
+            pose = torch.from_numpy(np.asarray(self.clips.track(e)[1], dtype=np.float32))  # (T, 3)
+            near = torch.cdist(pose[:, :2], pose[:, :2]) <= MATCH_POSITION  # (T, T)
+            turn = (pose[:, None, 2] - pose[None, :, 2] + math.pi).remainder(2 * math.pi) - math.pi  # (T, T)
+            match = (near & (turn.abs() <= MATCH_HEADING)).numpy()  # (T, T): frame i shows about what j shows
+            seen = np.concatenate([np.zeros((length, 1), np.int64), match.cumsum(axis=1)], axis=1)  # (T, T+1)
+            rows = np.arange(length)
+            for s in range(self.k, length - n + 1):
+                # window frame t needs memory: a frame older than the recent ones (< s) matches it and none of
+                # the recent ones (s..s+r-1) does (the window's frames are generated together)
+                t = rows[s + self.r:s + n]
+                needs = (seen[t, s] > 0) & (seen[t, s + self.r] - seen[t, s] == 0)
+                (matching if needs.any() else other).append((e, s))
+        return matching, other
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, index: int) -> dict:
+        e, s = (int(v) for v in self.entries[int(index)])
+        clips = self.clips
+        actions, pose = (torch.as_tensor(np.asarray(a)) for a in clips.track(e))  # (T,), (T, 3)
+        pose = pose.float()
+        window_poses = pose[s + self.r:s + clips.n_frames]  # (w, 3)
+        chosen = select_by_pose(pose[None, :s], window_poses[None], self.k)[0]  # (k,) ascending, all < s
+        rng = np.random.default_rng([self.seed, int(index)])
+        if rng.random() < DISTRACTOR_SHARE:
+            free = np.setdiff1d(np.arange(s), chosen.numpy())
+            if free.size:  # one slot gets a random older frame (kept in time order)
+                chosen[int(rng.integers(self.k))] = int(rng.choice(free))
+                chosen = chosen.sort().values
+        window_start = s + self.r
+        ages = torch.cat([window_start - chosen, torch.arange(self.r, 0, -1)])  # (k + r,)
+        frames = chosen.tolist() + list(range(s, s + clips.n_frames))  # k chosen, then r recent + w window
+        return {"video": clips.frames_at(e, frames), "actions": actions[frames].long(), "pose": pose[frames],
+                "ages": ages.long()}
+
+    def __repr__(self) -> str:
+        return (f"PoseMemoryClips({self.clips.split_dir}: {len(self):,} clips; k={self.k} chosen + r={self.r} "
+                f"recent + w={self.w}; {self.n_matching:,} windows with an earlier matching view x{self.repeat}, "
+                f"{self.n_other:,} without)")
