@@ -51,7 +51,7 @@ def test_repeated_frame_is_a_probe_with_known_answer():
     pr = probes[0]
     assert (pr.t, pr.s, pr.gap, pr.event, pr.b) == (30, 2, 28, 0, 0)
     assert math.isinf(pr.psnr) and pr.recent_psnr < 12.0  # random frames are ~8 dB apart
-    assert pr.pose_probe is True
+    assert pr.pose_probe is True and pr.pose_match is True
 
 
 def test_noisy_repeat_matches_by_threshold_and_pose_flag_is_separate():
@@ -60,9 +60,16 @@ def test_noisy_repeat_matches_by_threshold_and_pose_flag_is_separate():
     v[30] = v[2] + 0.02 * torch.randn(v[2].shape, generator=g)  # ~34 dB: a match, not identical
     (pr,) = memory_probes(v, p, recent=8, start=20)
     assert pr.s == 2 and 30.0 < pr.psnr < 40.0
-    assert pr.pose_probe is False  # pose 30 matches nothing: the pixel probe is flagged as no pose probe
+    assert pr.pose_probe is False and pr.pose_match is False  # pose 30 matches nothing: a look-alike view
+    p[30] = p[2] + torch.tensor([0.1, 0.0, 0.0], dtype=torch.float64)
+    (pr,) = memory_probes(v, p, recent=8, start=20)
+    assert pr.pose_probe is True and pr.pose_match is True
+    p[25] = p[2]  # a recent frame at t's pose: no pose probe, though the pixel probe and its pose match stand
+    (pr,) = memory_probes(v, p, recent=8, start=20)
+    assert pr.pose_probe is False and pr.pose_match is True
     assert memory_probes(v, p, recent=8, start=20, psnr_threshold=45.0) == []
-    assert memory_probes(v, None, recent=8, start=20)[0].pose_probe is None
+    (pr,) = memory_probes(v, None, recent=8, start=20)
+    assert pr.pose_probe is None and pr.pose_match is None
 
 
 def test_a_recent_match_disqualifies_and_start_and_recent_bound_probes():

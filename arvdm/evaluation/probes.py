@@ -10,7 +10,8 @@ A **memory probe** is a frame t (t >= ``start``, typically the first generated f
 that an earlier frame s < t - ``recent`` matches (PSNR(frame_t, frame_s) >= ``psnr_threshold``) while no frame
 of the recent range [t - recent, t) does: a model that sees its ``recent`` frames directly can only draw
 frame t right from memory. The matching is by pixels; the same definition by pose (position and heading within
-tolerance, ``arvdm.evaluation.revisits.pose_match_matrix``) is reported alongside as ``pose_probe``.
+tolerance, ``arvdm.evaluation.revisits.pose_match_matrix``) is reported alongside as ``pose_probe``, and
+``pose_match`` says whether the matched frame s is at t's pose (a true revisit, not a look-alike view).
 
 Probes are correlated: consecutive probe frames t, t+1, ... show one return to a place, an **event**. Rates
 are therefore pooled over probes (every probe weighs the same) with a 95% interval from an **event-level
@@ -68,7 +69,9 @@ class MemoryProbe:
 
     ``psnr`` is PSNR(frame_t, frame_s) (``inf`` for identical frames), ``recent_psnr`` the best PSNR of a
     frame in [t - recent, t) (below the threshold, or t would not be a probe), ``pose_probe`` whether t is a
-    probe by pose too (None without poses), ``event`` the id of its run of consecutive probe frames.
+    probe by pose too (a frame before t - recent within the pose tolerances, none in the recent range),
+    ``pose_match`` whether s itself is within them (both None without poses), ``event`` the id of its run of
+    consecutive probe frames.
     """
 
     t: int
@@ -76,6 +79,7 @@ class MemoryProbe:
     psnr: float
     recent_psnr: float
     pose_probe: bool | None
+    pose_match: bool | None
     event: int
     b: int = 0
 
@@ -141,7 +145,7 @@ def memory_probes(
 
     Args:
         video: (T, C, H, W) in [-1, 1], the whole episode (context included).
-        poses: (T, 3) finite poses, or None (``pose_probe`` is then None).
+        poses: (T, 3) finite poses, or None (``pose_probe`` and ``pose_match`` are then None).
         recent: frames the model sees without memory (>= 1): a match in [t - recent, t) disqualifies t.
         start: first frame that may be a probe (the number of context frames, for generated frames only).
         psnr_threshold: PSNR (dB) from which two frames show the same view; stated for 32 px frames.
@@ -166,17 +170,19 @@ def memory_probes(
     earlier_psnr = best_earlier.max(1).values  # (T,)
     recent_psnr = torch.where(in_recent, psnr, -math.inf).max(1).values  # (T,)
     is_probe = (earlier_psnr >= psnr_threshold) & (recent_psnr < psnr_threshold) & (idx >= start)  # (T,)
-    pose_flag = None
+    pose_flag = s_match = None
     if poses is not None:
         match = pose_match_matrix(poses, pos_tol, heading_tol)  # (T, T)
         pose_flag = (match & earlier).any(1) & ~(match & in_recent).any(1)  # (T,)
+        s_match = match[idx, s_best]  # (T,): the pixel match's frame is at t's pose
     probes, event, last_t = [], first_event - 1, None
     for t in is_probe.nonzero().flatten().tolist():
         event += 0 if last_t == t - 1 else 1  # consecutive probe frames share an event
         last_t = t
         probes.append(MemoryProbe(t=t, s=int(s_best[t]), psnr=float(earlier_psnr[t]),
                                   recent_psnr=float(recent_psnr[t]),
-                                  pose_probe=None if pose_flag is None else bool(pose_flag[t]), event=event, b=b))
+                                  pose_probe=None if pose_flag is None else bool(pose_flag[t]),
+                                  pose_match=None if s_match is None else bool(s_match[t]), event=event, b=b))
     return probes
 
 
