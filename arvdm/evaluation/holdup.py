@@ -1,0 +1,118 @@
+"""How long a rollout holds up: the hold-up horizon, and the model minus a baseline per span with intervals.
+
+    h = hold_up_horizon(model_psnr, ctx_mean_psnr, span=16)      # first span below context-mean, or None
+    d = span_differences(model_psnr, ctx_mean_psnr, span=16)     # per span: mean difference, 95% interval
+    report = hold_up(gen, real, context=8)                       # all of it from videos, JSON-ready
+
+Error accumulation shows as a PSNR curve that falls with the frame index; a curve alone cannot say when the
+rollout stops being worth anything. The **hold-up horizon** is the first span of generated frames where the
+model's mean PSNR falls below that of the context-mean baseline (every frame = the mean of the context frames,
+``arvdm.evaluation.baselines.baseline_frames``): from there on the model draws worse than a blurry average
+view. Blur itself shows in the spatial-gradient ratio by span (``arvdm.evaluation.baselines.
+gradient_ratio_by_span``: ~1 sharp, falling with blur), which ``hold_up`` reports beside it.
+
+Per-frame curves are (N,) or (B, N) (episodes by generated frames; frame 0 = first generated frame); spans are
+``arvdm.evaluation.metrics.summarise_by_span``'s [0, span), [span, 2 span), ... Intervals resample episodes
+(``arvdm.evaluation.probes.pooled_rate`` with the episode as the event), deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from arvdm.evaluation.baselines import BASELINES, baseline_frames, gradient_ratio_by_span
+from arvdm.evaluation.metrics import psnr_per_frame, summarise_by_span
+from arvdm.evaluation.probes import pooled_rate
+
+__all__ = ["PSNR_CAP", "hold_up", "hold_up_horizon", "span_differences"]
+
+#: ``hold_up`` clips per-frame PSNR here (dB): an identical frame (copy-last while the agent stands at a wall)
+#: has PSNR inf, which would make every mean and difference of its span infinite.
+PSNR_CAP = 60.0
+
+
+def _curves(model: Any, base: Any, name: str) -> tuple[Tensor, Tensor]:
+    """Both curves as (B, N) float64 of the same shape, or a clear error."""
+    m, b = (torch.as_tensor(x, dtype=torch.float64) for x in (model, base))
+    m, b = (x[None] if x.ndim == 1 else x for x in (m, b))
+    if m.ndim != 2 or m.shape != b.shape:
+        raise ValueError(f"{name}: model {tuple(m.shape)} and baseline {tuple(b.shape)} must be the same (N,) or "
+                         "(B, N) per-frame curves")
+    if m.shape[1] == 0:
+        raise ValueError(f"{name}: the curves have no frames")
+    if torch.isnan(m).any() or torch.isnan(b).any():
+        raise ValueError(f"{name}: the curves contain NaN")
+    return m, b
+
+
+def hold_up_horizon(model_psnr: Any, ctx_mean_psnr: Any, span: int = 16) -> dict[str, Any] | None:
+    """The first span where the model's mean PSNR falls below the context-mean baseline's.
+
+    Args:
+        model_psnr, ctx_mean_psnr: per-frame PSNR, (N,) already averaged over episodes or (B, N) (averaged
+            here over episodes and the span's frames).
+        span: frames per span (> 0).
+    Returns:
+        ``{"span_index", "start", "end", "label", "model", "baseline"}`` (frames [start, end) of the generated
+        frames; the two span means in dB), or None when the model never falls below the baseline.
+    """
+    m, b = _curves(model_psnr, ctx_mean_psnr, "hold_up_horizon")
+    for i, (ms, bs) in enumerate(zip(summarise_by_span(m, span), summarise_by_span(b, span))):
+        if ms["mean"] < bs["mean"]:
+            return {"span_index": i, "start": ms["start"], "end": ms["end"], "label": ms["label"],
+                    "model": ms["mean"], "baseline": bs["mean"]}
+    return None
+
+
+def span_differences(model: Any, base: Any, span: int = 16, n_boot: int = 1000, seed: int = 0,
+                     level: float = 0.95) -> list[dict[str, Any]]:
+    """Model minus baseline per span, with an episode-level bootstrap interval.
+
+    Args:
+        model, base: (B, N) per-frame values of the same episodes and frames (e.g. PSNR of the model and of
+            context-mean); a difference is taken frame by frame, so the comparison is paired.
+    Returns:
+        ``[{"start", "end", "label", "mean", "lo", "hi", "n_episodes", "n_frames"}]``: the mean difference over
+        the span's frames and episodes, and its interval when whole episodes are resampled.
+    """
+    m, b = _curves(model, base, "span_differences")
+    if not torch.isfinite(m).all() or not torch.isfinite(b).all():
+        raise ValueError("span_differences: the curves contain inf (an identical frame has PSNR inf; clip first)")
+    diff = (m - b).numpy()  # (B, N)
+    episode = np.broadcast_to(np.arange(diff.shape[0])[:, None], diff.shape)  # (B, N): each value's episode
+    out = []
+    for s in summarise_by_span(torch.from_numpy(diff), span):
+        a, e = s["start"], s["end"]
+        r = pooled_rate(diff[:, a:e], episode[:, a:e], n_boot, seed, level)
+        out.append({"start": a, "end": e, "label": s["label"], "mean": r["mean"], "lo": r["lo"], "hi": r["hi"],
+                    "n_episodes": r["n_events"], "n_frames": r["n_probes"]})
+    return out
+
+
+def hold_up(gen: Tensor, real: Tensor, context: int, span: int = 16, n_boot: int = 1000, seed: int = 0,
+            psnr_cap: float = PSNR_CAP) -> dict[str, Any]:
+    """A rollout's hold-up measures from its videos, JSON-ready.
+
+    Args:
+        gen: (B, N, C, H, W) generated frames; real: (B, context + N, C, H, W) ground truth, context included.
+        psnr_cap: per-frame PSNR is clipped to this (dB) before the spans are averaged and differenced.
+    Returns:
+        ``hold_up_horizon`` (against context-mean; None = never below it), ``psnr_minus`` (per baseline in
+        ``BASELINES``: ``span_differences`` of the model's PSNR minus the baseline's) and
+        ``gradient_ratio_by_span``.
+    """
+    n = gen.shape[1]
+    if real.ndim != 5 or real.shape[1] != context + n or real.shape[0] != gen.shape[0]:
+        raise ValueError(f"hold_up: real {tuple(real.shape)} must be the {gen.shape[0]} episodes' context {context} "
+                         f"+ generated {n} frames (gen {tuple(gen.shape)})")
+    target = real[:, context:]  # (B, N, C, H, W)
+    model = psnr_per_frame(gen, target).clamp(max=psnr_cap)  # (B, N)
+    base = {kind: psnr_per_frame(baseline_frames(real, context, n, kind), target).clamp(max=psnr_cap)
+            for kind in BASELINES}  # (B, N) each
+    return {"hold_up_horizon": hold_up_horizon(model, base["context_mean"], span),
+            "psnr_minus": {kind: span_differences(model, base[kind], span, n_boot, seed) for kind in BASELINES},
+            "gradient_ratio_by_span": gradient_ratio_by_span(gen, target, span)}
