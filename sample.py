@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs --eta > 0)")
     p.add_argument("--draft", default="frozen", help="frozen (reuse the target's v) or a smaller run folder")
     p.add_argument("--lookaheads", default="1,2,3,4", help="the bandits' lookahead arms, comma-separated")
+    p.add_argument("--memory-select", default=None, choices=["pose", "time", "none", "other"],
+                   help="runs trained with memory.select=pose: choose memory frames by pose (default), by time (the "
+                        "frames just before the recent ones), none (recent frames only) or other (by pose, from "
+                        "another episode): the same weights, the memory ablation")
     p.add_argument("--level-bins", type=int, default=1,
                    help="> 1: one bandit per bin of the noise level a round starts from")
     return p
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                               use_cache=not args.no_cache, evaluate=args.eval, data=args.data, split=args.split,
                               use_ema=not args.no_ema, device=args.device, hybrid=hybrid or None,
                               compile=args.compile, speculate=args.speculate, draft=args.draft,
-                              lookaheads=lookaheads, level_bins=args.level_bins)
+                              lookaheads=lookaheads, level_bins=args.level_bins, memory_select=args.memory_select)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         print(speculation_line(i, rep))
     if "verdict" in result["summary"]:  # the model against copy-last and context-mean, in words
         print(f"sample.py: {result['summary']['verdict']}", file=sys.stderr)
+    if "revisits" in result["summary"]:  # memory on the frames only memory can supply, in words
+        print(f"sample.py: {result['summary']['revisits']['message']}", file=sys.stderr)
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from arvdm.errors import ArvdmError
+from memory.select import SELECTIONS  # how a pose-aware run may choose memory at sampling
 
 
 class ConfigError(ArvdmError):
@@ -31,7 +32,7 @@ class SamplingError(ArvdmError):
 
 
 SCHEDULE_PRESETS = ("chunked", "fifo", "pyramid")  # names arvdm.schedules.get_schedule builds
-MEMORY_SELECT = ("time", "pose")  # how memory frames are chosen (memory/select.py)
+MEMORY_SELECT = ("time", "pose")  # how training chooses memory frames (memory/select.py)
 MEMORY_STRUCTURES = ("prepend", "channel_concat", "cross_attention")  # how the past reaches the network
 PREPEND, CHANNEL_CONCAT, CROSS_ATTENTION = MEMORY_STRUCTURES
 TEMPORAL_ATTENTION_FORMS = ("factorized", "full")  # per spatial position | all tokens of all frames
@@ -356,6 +357,7 @@ class SampleSettings:
     draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
     lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
     level_bins: int = 1  # > 1: one bandit per bin of the noise level a round starts from
+    memory_select: str | None = None  # pose-aware runs: pose | time | none | other (memory.SELECTIONS); None = pose
 
     def validate(self) -> SampleSettings:
         """Check every setting before any work starts; errors name the sample.py flag."""
@@ -366,6 +368,8 @@ class SampleSettings:
                 raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
         if self.eta is not None:
             check_eta(self.eta, "--eta", SamplingError)
+        if self.memory_select not in (None, *SELECTIONS):
+            raise SamplingError(f"--memory-select {self.memory_select!r}: choose one of {', '.join(SELECTIONS)}")
         if str(self.schedule) not in SCHEDULE_PRESETS and not Path(self.schedule).is_file():
             raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
                                 f"({', '.join(SCHEDULE_PRESETS)}) and no such file")
@@ -385,7 +389,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model.image_size": 32, "model.unet_channels": [32, 64], "model.patch_size": 2, "model.dim": 128,
         "model.depth": 2, "model.heads": 4,
-        "memory.length": 4,
+        "memory.length": 6, "memory.select": "pose", "memory.pose_frames": 4,
         "data.resize": 32, "data.path": "datasets/memory_maze_32",
         "data.generate_episodes": 48,
         "train.window": 4, "train.batch_size": 8, "train.lr": 2e-3, "train.warmup_steps": 100,

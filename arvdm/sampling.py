@@ -40,6 +40,7 @@ from arvdm.config import Config, SampleSettings, SamplingError, parse_device
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
 from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame, write_metrics_csv
+from arvdm.evaluation.revisit_score import revisit_score
 from arvdm.hybrid.convert import HybridModel, wrap_for_sampling
 from arvdm.model.checkpoint import resolve_data_path
 from arvdm.model.diffusion import PerFrameDiffusion
@@ -89,7 +90,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     if real.shape[1] - context < 1:
         raise SamplingError(f"nothing to generate: episodes hold {real.shape[1]} frames and --context is {context}")
 
-    gen, specs, reports = roll_out_episodes(model, cfg, schedule, real, actions, context, settings, device)
+    gen, specs, reports = roll_out_episodes(model, cfg, schedule, real, actions, context, settings, device, poses)
     fake = torch.cat([real[:, :context], gen], dim=1)  # (N, T, C, H, W): context frames are the given truth
     out.mkdir(parents=True, exist_ok=True)
     paths = write_rollout_files(out, real, fake, context)
@@ -99,6 +100,9 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     if cmp is not None:
         summary.update(first_frames=cmp["first_frames"], gradient_ratio_first16=cmp["gradient_ratio_first16"],
                        verdict=cmp["verdict"]["message"])
+    if context >= 1:  # the frames only memory can supply (recent = the memory length: beyond any time window)
+        summary["revisits"] = revisit_score(gen, real, context, recent=max(cfg.memory.length, 1), poses=poses)
+        summary["memory_select"] = settings.memory_select or ("pose" if cfg.memory.select == "pose" else "time")
     if hybrid is not None:
         summary["hybrid"] = hybrid.summary()
     if specs:
@@ -107,6 +111,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
                                   for rep in reports]
     if settings.evaluate:
         result = evaluate_rollout(fake, real, poses, context, window_reach=cfg.train.window, baselines=cmp)
+        if "revisits" in summary:
+            result["revisits"] = summary["revisits"]
         paths["eval"] = write_eval_json(out / "eval.json", result, extra={
             "run": str(run_dir), "settings": asdict(settings), "schedule": schedule.to_dict(),
             "config": cfg.to_dict(), **({"hybrid": summary["hybrid"]} if "hybrid" in summary else {})})
@@ -115,11 +121,16 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
 
 
 def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, real: torch.Tensor,
-                      actions: torch.Tensor, context: int, settings: SampleSettings, device: torch.device
+                      actions: torch.Tensor, context: int, settings: SampleSettings, device: torch.device,
+                      poses: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, list[Speculation], list[dict[str, Any]]]:
     """Roll out every episode in batches from its first ``context`` frames with its own actions (one generator
     seeded ``settings.seed`` for all batches, in order). Returns the generated frames (N, n_gen, C, H, W)
-    float on the CPU and, with ``settings.speculate``, each batch's :class:`Speculation` and report."""
+    float on the CPU and, with ``settings.speculate``, each batch's :class:`Speculation` and report. ``poses``
+    (N, T, 3) go to pose-aware models, which choose memory by them (``settings.memory_select``)."""
+    if cfg.memory.select == "pose" and poses is None:
+        raise SamplingError("this run chooses memory by camera pose (memory.select=pose), but the episodes have no "
+                            "'pose' array: give --data episodes with poses")
     n_gen = real.shape[1] - context
     diffusion = PerFrameDiffusion(cfg.diffusion)
     draft_model = _load_draft(settings, cfg, schedule, device) if settings.speculate else None
@@ -129,10 +140,12 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
         r, a = real[i:i + settings.batch_size].to(device), actions[i:i + settings.batch_size].to(device)
         spec = _speculation(settings, draft_model, seed=settings.seed + i, previous=specs[-1] if specs else None)
         t0 = time.perf_counter()
+        p = poses[i:i + settings.batch_size].to(device) if poses is not None else None
         gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
                       eta=settings.eta, generator=generator, use_cache=settings.use_cache,
-                      progress=settings.progress, rows=None if spec is None else SpeculativeRows(spec)
-                      )  # (b, n_gen, C, H, W)
+                      progress=settings.progress, rows=None if spec is None else SpeculativeRows(spec),
+                      poses=p if cfg.memory.select == "pose" else None,
+                      memory_select=settings.memory_select)  # (b, n_gen, C, H, W)
         if spec is not None:
             specs.append(spec)
             reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,

@@ -10,9 +10,10 @@ for memory, so the model learns to ignore it. Here a clip is
     [k frames chosen from the episode's past by `memory.select_by_pose` against the window's poses]
     + [r = m - k recent frames] + [w window frames]      (the last r + w consecutive)
 
-exactly what `memory.PoseBank.memory` hands a rollout. Windows with a frame that only memory can supply (a frame older than
-the recent ones is within MATCH_POSITION cells and MATCH_HEADING of it, and no frame since is) are oversampled to `match_share` of the index; in a DISTRACTOR_SHARE of clips one chosen slot holds
-a random older frame instead, so the model also sees memory frames it must not copy and learns from the
+exactly what `memory.PoseBank.memory` hands a rollout. Windows with a frame that only memory can
+supply (a frame older than the recent ones is within MATCH_POSITION cells and MATCH_HEADING of it, and no
+recent frame is) are oversampled to `match_share` of the index; in a DISTRACTOR_SHARE of clips one chosen slot
+holds a random older frame instead, so the model also sees memory frames it must not copy and learns from the
 pose tags when a memory frame is relevant.
 
 Items are a pure function of the index (the distractor draw is seeded by (seed, index)), so the trainer's

@@ -67,8 +67,10 @@ class SampleVideo:
         video, actions = to_device(collate([ds[i] for i in picks]), self.device)  # (B, ctx+n_gen, C, H, W)
         schedule = get_schedule("chunked", w, self.cfg.diffusion.num_levels, SAMPLE_STEPS)
         g = torch.Generator(device=self.device).manual_seed(mix_seed(self.cfg.train.seed, "sample"))
+        items = [ds[i] for i in picks]
+        poses = torch.stack([it["pose"] for it in items]).to(self.device) if "pose" in items[0] else None
         fake = rollout(model, diffusion, schedule, video[:, :ctx], actions[:, :ctx], actions[:, ctx:], self.n_gen,
-                       eta=self.cfg.diffusion.eta, generator=g, progress=False)  # (B, n_gen, C, H, W)
+                       eta=self.cfg.diffusion.eta, generator=g, progress=False, poses=poses)  # (B, n_gen, C, H, W)
         real = video[:, ctx:]  # (B, n_gen, C, H, W)
         path = self.run_dir / "samples" / f"step_{step:07d}.mp4"
         write_side_by_side(path, real, fake)
