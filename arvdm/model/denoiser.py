@@ -7,7 +7,7 @@ model, its forward and the commits of a cached rollout.
     model = Denoiser(cfg)                                    # cfg: arvdm.config.Config
     v = model(x, levels, actions, memory=MemoryFrames(...))  # training / uncached rollout
     state = model.init_state(batch_size)                     # cached rollout
-    model.commit(state, clean_frames, their_actions)         # frames leave the window
+    model.commit(state, frames, their_actions)               # frames leave the window (levels= if noised)
     v = model(x, levels, actions, state=state)
 
 Architecture (v-prediction; every frame has its own noise level):
@@ -31,10 +31,11 @@ Forcing's 3-D U-Net; that is where the chunked temporal attention, the memory an
 convolutions see one frame at a time, so chunked causality and "cached == recomputed" hold unchanged.
 
 Memory (memory.structure), from m raw frames or B compressed latent frames (memory.compressor):
-    prepend         memory frames/latents are a level-0 prefix of the temporal attention
+    prepend         memory frames/latents are a prefix of the temporal attention
     channel_concat  memory tokens concatenated along channels -> linear -> added to every window token
     cross_attention an extra AdaLN-gated cross-attention sublayer per block
-Memory frames are encoded by the same ConvEncoder at level 0 (their skips are not needed).
+Memory frames are encoded by the same ConvEncoder at their own level (MemoryFrames.levels; None = 0, clean;
+noisy context commits them at a level k_ctx > 0); their skips are not needed.
 
 Cached rollouts (`init_state` / `commit`) keep, per layer, the keys/values of committed frames
 (prepend), or the memory projection / cross-attention K/V (the other structures), so a denoising step
@@ -328,18 +329,20 @@ class Denoiser(nn.Module):
 
     @torch.no_grad()
     def commit(self, state: RolloutState, frames: torch.Tensor, actions: torch.Tensor,
-               poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None) -> None:
-        """Write clean frames that left the window into the rollout state.
+               poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None,
+               levels: torch.Tensor | None = None) -> None:
+        """Write frames that left the window into the rollout state.
 
         Args:
             state: from `init_state`.
-            frames: (B,n,C,H,W) clean frames, n a multiple of `model.frames_per_chunk`.
+            frames: (B,n,C,H,W) frames, clean or noised to `levels`; n a multiple of `model.frames_per_chunk`.
             actions: (B,n) their actions.
             poses: (B,n,3) their poses: required by a pose-aware model (memory.select=pose), else optional.
             target_poses: (B,w,3) poses of the next window's frames (pose-aware models choose its memory by them).
+            levels: (B,n) int64 the frames' noise levels in 0..K-1 (noisy context); None = clean (level 0).
 
         The frames go to the bank (retention applied). For prepend with raw frames they also run through
-        the network at level 0, attending to what the cache holds now, and their K/V are appended to
+        the network at their level, attending to what the cache holds now, and their K/V are appended to
         every layer's cache (then evicted by the layer's policy). For compressed prepend, channel_concat
         and cross_attention the memory representation is rebuilt from the bank, once per commit.
         """
@@ -352,15 +355,17 @@ class Denoiser(nn.Module):
                                 f"{self.frames_per_chunk} (chunks of committed frames must not shift)")
         self._check_actions(actions, (b, n), "actions")
         start = state.n_committed
+        if levels is not None:  # checked as memory levels are (shape, dtype, 0..K-1)
+            levels = memory_path.memory_levels(self, MemoryFrames(frames, actions, levels=levels), b)  # (B,n)
         if self.caches_committed_kv:
-            cond = self._cond(torch.zeros_like(actions), actions)  # clean frames: level 0
+            cond = self._cond(torch.zeros_like(actions) if levels is None else levels, actions)  # (B,n,D)
             h, _ = self._embed_frames(frames, cond)  # (B,n,N,D)
             pos = start + torch.arange(n, device=frames.device)  # (n,)
             _, kvs = self._run(h, cond, pos, pasts=state.caches, n_prefix=n,
                                prefix_chunk=self.frames_per_chunk)
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, range(start, start + n))
-        state.bank.append(frames, actions, poses)
+        state.bank.append(frames, actions, poses, levels)
         state.target_poses = target_poses
         for cache in state.caches:
             cache.evict(state.n_committed)

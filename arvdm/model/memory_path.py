@@ -9,6 +9,11 @@ Functions of a `Denoiser` (arvdm/model/denoiser.py), which owns the parameters t
 level / action embeddings, the compressor, memory_proj, memory_age, the blocks' cross attention). Both the
 uncached forward (memory given per call) and the cached rollout's commit / refresh go through them, so the
 two paths build the same memory.
+
+A memory frame's noise level (`MemoryFrames.levels`, None = clean) is part of its condition, as every frame's
+level is: it modulates the conv encoder's adaptive norms (every structure) and, for prepend, the prefix
+frame's AdaLN in every block. (A plain patch DiT, model.unet_channels=[], has no encoder: there only prepend
+sees a memory frame's level.) Compressed latents sit at level 0: the compressor read the frames' tokens.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from arvdm.checks import value_checks_enabled
 from arvdm.errors import ArvdmError
 from memory import MemoryFrames
 from memory.compress import sinusoidal
 
-__all__ = ["DenoiserError", "MemoryTokens", "concat_vector", "cross_kv", "memory_tokens", "prefix_cond"]
+__all__ = ["DenoiserError", "MemoryTokens", "concat_vector", "cross_kv", "memory_levels", "memory_tokens",
+           "prefix_cond"]
 
 
 class DenoiserError(ArvdmError):
@@ -41,6 +48,7 @@ class MemoryTokens:
     positions: torch.Tensor  # (L,) absolute frame index used by RoPE
     ages: torch.Tensor  # (L,) frames between each memory frame and the window (>= 1)
     latent: bool
+    levels: torch.Tensor  # (B,L) int64 noise level of each memory frame (0 = clean; latents: 0)
 
 
 def memory_tokens(model, mem: MemoryFrames | None, batch: int) -> MemoryTokens | None:
@@ -62,7 +70,8 @@ def memory_tokens(model, mem: MemoryFrames | None, batch: int) -> MemoryTokens |
     if model.memory_concat and model.compressor is None and m > model.memory_slots:
         raise DenoiserError(f"channel_concat has {model.memory_slots} memory slots (memory.length), got "
                     f"{m} memory frames")
-    tokens, _ = model._embed_frames(mem.frames, model._cond(torch.zeros_like(mem.actions), mem.actions))
+    levels = memory_levels(model, mem, batch)  # (B,m)
+    tokens, _ = model._embed_frames(mem.frames, model._cond(levels, mem.actions))  # (B,m,N,D)
     ages = start - pos  # (m,)
     if model.pose_aware:
         if mem.poses is None or mem.target_poses is None:
@@ -71,17 +80,32 @@ def memory_tokens(model, mem: MemoryFrames | None, batch: int) -> MemoryTokens |
         per_sample_ages = mem.ages if mem.ages is not None else ages.expand(batch, m)  # (B,m)
         tokens = tokens + model._tags(mem.poses, mem.target_poses, per_sample_ages)[:, :, None]  # (B,m,N,D)
     if model.compressor is None:
-        return MemoryTokens(tokens, mem.actions, pos, ages, latent=False)
+        return MemoryTokens(tokens, mem.actions, pos, ages, latent=False, levels=levels)
     lat = model.compressor(tokens, mem.actions, ages)  # (B,L,N,D)
     n_lat = lat.shape[1]
     lat_pos = start - n_lat + torch.arange(n_lat, device=lat.device)  # latents sit just before the window
     null = torch.full((batch, n_lat), model.null_action, dtype=torch.long, device=lat.device)
-    return MemoryTokens(lat, null, lat_pos, start - lat_pos, latent=True)
+    return MemoryTokens(lat, null, lat_pos, start - lat_pos, latent=True, levels=torch.zeros_like(null))
+
+
+def memory_levels(model, mem: MemoryFrames, batch: int) -> torch.Tensor:
+    """The memory frames' noise levels (B,m) int64: `mem.levels`, checked, or zeros (clean) when None."""
+    m = mem.frames.shape[1]
+    if mem.levels is None:
+        return torch.zeros_like(mem.actions)  # (B,m) clean
+    lv = mem.levels
+    if tuple(lv.shape) != (batch, m) or lv.is_floating_point() or lv.dtype == torch.bool:
+        raise DenoiserError(f"memory.levels must be integer (B, m) = {(batch, m)}, got {tuple(lv.shape)} {lv.dtype}")
+    # a memory frame at level K would be pure noise: the context level is 0..K-1 (value check: CPU / debug only)
+    if lv.numel() and value_checks_enabled(lv) and (int(lv.min()) < 0 or int(lv.max()) >= model.num_levels):
+        raise DenoiserError(f"memory.levels must be in 0..{model.num_levels - 1} (below diffusion.num_levels="
+                            f"{model.num_levels}), got {int(lv.min())}..{int(lv.max())}")
+    return lv.to(device=mem.actions.device, dtype=torch.long)
 
 
 def prefix_cond(model, mem: MemoryTokens) -> torch.Tensor:
-    """AdaLN condition of prefix frames: level 0 (clean) + their action. (B,L,D)"""
-    return model._cond(torch.zeros_like(mem.actions), mem.actions)
+    """AdaLN condition of prefix frames: their noise level (0 = clean) + their action. (B,L,D)"""
+    return model._cond(mem.levels, mem.actions)
 
 
 def concat_vector(model, mem: MemoryTokens | None, batch: int) -> torch.Tensor:
