@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,17 @@ def check_eta(eta: Any, name: str, error: type[ArvdmError] = ConfigError) -> flo
         value = float("nan")
     if isinstance(eta, bool) or not 0.0 <= value <= 1.0:
         raise error(f"{name} must be in [0, 1] (0 = DDIM, 1 = DDPM-like), got {eta!r}")
+    return value
+
+
+def check_guidance(weight: Any, name: str, error: type[ArvdmError] = ConfigError) -> float:
+    """The one check of a history-guidance weight W: a finite number (0 = no guidance; NaN / inf refused)."""
+    try:
+        value = float(weight)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if isinstance(weight, bool) or not math.isfinite(value):
+        raise error(f"{name} must be a finite number (0 = no history guidance), got {weight!r}")
     return value
 
 
@@ -221,6 +233,11 @@ class TrainConfig:
     find_unused_parameters: bool = False  # DDP: only for a model whose loss leaves some parameter unused
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step (exact: one batch of grad_accum x)
     compile: bool = False  # torch.compile the denoiser for training (a GPU speed-up; slow first steps)
+    # Noisy context (GameNGen 2024, Diffusion Forcing 2024): each memory frame is noised to a level drawn in
+    # 0..context_noise_max (told to the model); 0 = clean memory, no extra draw (bit-identical to before).
+    context_noise_max: int = 0
+    # History guidance (DFoT 2025): the share of training steps whose batch sees no memory; 0 = no extra draw.
+    memory_dropout: float = 0.0
 
     def validate(self) -> None:
         _check(self.window >= 1, "train.window", self.window, "must be >= 1")
@@ -234,6 +251,8 @@ class TrainConfig:
         _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
         _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
         _check(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s, "must be > 0 seconds")
+        _check(isinstance(self.memory_dropout, (int, float)) and 0.0 <= self.memory_dropout < 1.0,
+               "train.memory_dropout", self.memory_dropout, "must be in [0, 1) (the share of steps without memory)")
 
 
 HYBRID_SELECT = ("online", "offline", "fixed")
@@ -287,6 +306,10 @@ class Config:
             part.validate()
         _check(self.train.window % self.model.frames_per_chunk == 0, "train.window", self.train.window,
                f"must be a multiple of model.frames_per_chunk={self.model.frames_per_chunk}")
+        k_max = self.diffusion.num_levels - 1
+        _check(isinstance(self.train.context_noise_max, int) and not isinstance(self.train.context_noise_max, bool)
+               and 0 <= self.train.context_noise_max <= k_max, "train.context_noise_max", self.train.context_noise_max,
+               f"must be an integer in 0..diffusion.num_levels-1 = 0..{k_max} (0 = clean memory)")
         return self
 
     def default_context(self) -> int:
@@ -352,6 +375,8 @@ class SampleSettings:
     progress: bool = True
     hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
     compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
+    context_level: int | None = None  # k_ctx: finished frames sit at this level in memory; None = the schedule's
+    history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
 
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
     draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
@@ -363,13 +388,15 @@ class SampleSettings:
         """Check every setting before any work starts; errors name the sample.py flag."""
         for flag, value, lo in (("--frames", self.frames, 1), ("--steps", self.steps, 1),
                                 ("--context", self.context, 0), ("--episodes", self.episodes, 1),
-                                ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0)):
+                                ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0),
+                                ("--context-level", self.context_level, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
                 raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
         if self.eta is not None:
             check_eta(self.eta, "--eta", SamplingError)
         if self.memory_select not in (None, *SELECTIONS):
             raise SamplingError(f"--memory-select {self.memory_select!r}: choose one of {', '.join(SELECTIONS)}")
+        check_guidance(self.history_guidance, "--history-guidance", SamplingError)
         if str(self.schedule) not in SCHEDULE_PRESETS and not Path(self.schedule).is_file():
             raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
                                 f"({', '.join(SCHEDULE_PRESETS)}) and no such file")

@@ -1,8 +1,10 @@
-"""The memory bank: clean past frames (+ actions, poses) kept under a retention policy.
+"""The memory bank: past frames (+ actions, poses, noise levels) kept under a retention policy.
 
 During a rollout every frame that leaves the window is committed here; the bank keeps the frames its
 `RetentionPolicy` says to keep and hands them to the denoiser as a `MemoryFrames` (the same object a
-trainer builds by hand from the first m frames of a clip). The bank stores raw frames only; how they
+trainer builds by hand from the first m frames of a clip). Frames are clean (level 0) unless committed with
+their noise `levels` (noisy context: a rollout may commit frames re-noised to a small level k_ctx, and the
+model is told each frame's level). The bank stores raw frames only; how they
 reach the network (prefix, channel concat, cross-attention, compressed or not) is the model's business.
 """
 
@@ -20,7 +22,7 @@ class MemoryFrames:
     """Past frames given to the denoiser as conditioning.
 
     Args:
-        frames: (B, m, C, H, W) clean frames in [-1, 1], oldest first.
+        frames: (B, m, C, H, W) frames in [-1, 1], oldest first: clean, or noised to `levels`.
         actions: (B, m) int64 actions of those frames.
         positions: (m,) int64 absolute frame indices, ascending; `None` means `0..m-1`. The window that
             follows starts at `positions[-1] + 1` (or at m), which fixes the temporal (RoPE) distances.
@@ -31,6 +33,8 @@ class MemoryFrames:
         ages: optional (B, m) int64 frames between each memory frame and the window (per sample; frames
             chosen by pose sit at canonical positions, so their real age is given here). None = from positions.
         target_poses: optional (B, w, 3) poses of the window's frames the memory was chosen for.
+        levels: optional (B, m) int64 noise level of each memory frame (noisy context, GameNGen / Diffusion
+            Forcing); the model conditions each frame on its level. None = every frame clean (level 0).
     """
 
     frames: torch.Tensor
@@ -40,6 +44,7 @@ class MemoryFrames:
     next_index: int | None = None
     ages: torch.Tensor | None = None
     target_poses: torch.Tensor | None = None
+    levels: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.frames.shape[1]
@@ -61,7 +66,7 @@ class MemoryFrames:
 
 
 class MemoryBank:
-    """Clean committed frames under a retention policy.
+    """Committed frames (clean, or at their noise levels) under a retention policy.
 
     Args:
         policy: which committed frames to keep.
@@ -78,14 +83,19 @@ class MemoryBank:
         self.frames: torch.Tensor | None = None  # (B, F, C, H, W) kept frames
         self.actions: torch.Tensor | None = None  # (B, F)
         self.poses: torch.Tensor | None = None  # (B, F, P) or None
+        self.levels: torch.Tensor | None = None  # (B, F) int64 noise level of each kept frame (0 = clean)
         self.positions: list[int] = []  # absolute index of each kept frame
         self._positions_tensor: torch.Tensor | None = None  # `positions` on the frames' device, built once
 
     def __len__(self) -> int:
         return len(self.positions)
 
-    def append(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None) -> None:
-        """Commit clean frames (B, n, C, H, W) with actions (B, n) [and poses (B, n, P)], then evict."""
+    def append(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
+               levels: torch.Tensor | None = None) -> None:
+        """Commit frames (B, n, C, H, W) with actions (B, n) [and poses (B, n, P)], then evict.
+
+        `levels` (B, n) int64: the frames' noise levels (noisy context); None = clean (level 0).
+        """
         if frames.dim() != 5:
             raise ValueError(f"MemoryBank.append: frames must be (B, n, C, H, W), got {tuple(frames.shape)}")
         b, n = frames.shape[:2]
@@ -94,6 +104,10 @@ class MemoryBank:
         if poses is not None and poses.shape[:2] != (b, n):
             raise ValueError(f"MemoryBank.append: poses must start with (B, n) = {(b, n)}, got "
                              f"{tuple(poses.shape)}")
+        if levels is not None and (tuple(levels.shape) != (b, n) or levels.is_floating_point()):
+            raise ValueError(f"MemoryBank.append: levels must be integer (B, n) = {(b, n)}, got "
+                             f"{tuple(levels.shape)} {levels.dtype}")
+        levels = torch.zeros_like(actions) if levels is None else levels.detach().to(actions.device, torch.long)
         if self.frames is not None:
             if frames.shape[0] != self.frames.shape[0] or frames.shape[2:] != self.frames.shape[2:]:
                 raise ValueError(f"MemoryBank.append: frames {tuple(frames.shape)} do not match the bank's "
@@ -102,11 +116,12 @@ class MemoryBank:
                 raise ValueError("MemoryBank.append: give poses for every commit or for none")
         frames, actions = frames.detach(), actions.detach()
         if self.frames is None or len(self.positions) == 0:
-            self.frames, self.actions = frames, actions
+            self.frames, self.actions, self.levels = frames, actions, levels
             self.poses = poses.detach() if poses is not None else None
         else:
             self.frames = torch.cat([self.frames, frames], dim=1)  # (B, F+n, C, H, W)
             self.actions = torch.cat([self.actions, actions], dim=1)  # (B, F+n)
+            self.levels = torch.cat([self.levels, levels], dim=1)  # (B, F+n)
             if poses is not None:
                 self.poses = torch.cat([self.poses, poses.detach()], dim=1)  # (B, F+n, P)
         self.positions += list(range(self.n_committed, self.n_committed + n))
@@ -122,6 +137,7 @@ class MemoryBank:
         idx = torch.tensor(slots, dtype=torch.long, device=self.frames.device)
         self.frames = self.frames.index_select(1, idx)  # (B, kept, C, H, W)
         self.actions = self.actions.index_select(1, idx)  # (B, kept)
+        self.levels = self.levels.index_select(1, idx)  # (B, kept)
         if self.poses is not None:
             self.poses = self.poses.index_select(1, idx)  # (B, kept, P)
         self.positions = [self.positions[i] for i in slots]
@@ -137,13 +153,13 @@ class MemoryBank:
         if self._positions_tensor is None:  # one host-to-device copy per commit, not one per denoising call
             self._positions_tensor = torch.tensor(self.positions, dtype=torch.long, device=self.frames.device)
         return MemoryFrames(self.frames, self.actions, positions=self._positions_tensor, poses=self.poses,
-                            next_index=self.positions[-1] + 1, target_poses=target_poses)
+                            next_index=self.positions[-1] + 1, target_poses=target_poses, levels=self.levels)
 
     def nbytes(self) -> int:
-        """Bytes held by the kept frames, actions and poses."""
+        """Bytes held by the kept frames, actions, levels and poses."""
         if self.frames is None:
             return 0
-        total = self.frames.numel() * self.frames.element_size() + self.actions.numel() * 8
+        total = self.frames.numel() * self.frames.element_size() + (self.actions.numel() + self.levels.numel()) * 8
         if self.poses is not None:
             total += self.poses.numel() * self.poses.element_size()
         return total

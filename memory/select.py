@@ -131,12 +131,15 @@ class PoseBank:
         self.actions: torch.Tensor | None = None  # (B, F)
         self.poses: torch.Tensor | None = None  # (B, F, 3)
         self.index: torch.Tensor | None = None  # (B, F) absolute frame index, ascending per sample
+        self.levels: torch.Tensor | None = None  # (B, F) int64 noise level of each kept frame (0 = clean)
 
     def __len__(self) -> int:
         return 0 if self.index is None else self.index.shape[1]
 
-    def append(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None) -> None:
-        """Commit frames (B, n, C, H, W) with actions (B, n) and poses (B, n, 3); drop redundant old ones."""
+    def append(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
+               levels: torch.Tensor | None = None) -> None:
+        """Commit frames (B, n, C, H, W) with actions (B, n) and poses (B, n, 3) [and noise levels (B, n), None =
+        clean]; drop redundant old ones."""
         if poses is None:
             raise SelectionError("pose-aware memory needs the poses of committed frames (episodes with a 'pose' "
                                  "array, passed to rollout(poses=...))")
@@ -146,13 +149,14 @@ class PoseBank:
                                  f"and poses {tuple(poses.shape)} disagree on (B, n)")
         check_poses(poses, "poses of committed frames")
         idx = torch.arange(self.n_committed, self.n_committed + n, device=frames.device).expand(b, n)
-        parts = [frames.detach(), actions.detach(), poses.detach().float(), idx]
+        levels = torch.zeros_like(actions) if levels is None else levels.detach().to(actions.device, torch.long)
+        parts = [frames.detach(), actions.detach(), poses.detach().float(), idx, levels.expand(b, n)]
         if self.frames is None:
-            self.frames, self.actions, self.poses, self.index = parts
+            self.frames, self.actions, self.poses, self.index, self.levels = parts
         else:
-            self.frames, self.actions, self.poses, self.index = (
+            self.frames, self.actions, self.poses, self.index, self.levels = (
                 torch.cat([old, new], dim=1) for old, new in
-                zip((self.frames, self.actions, self.poses, self.index), parts))
+                zip((self.frames, self.actions, self.poses, self.index, self.levels), parts))
         self.n_committed += n
         while len(self) > self.capacity:
             self._drop_most_redundant()
@@ -169,6 +173,7 @@ class PoseBank:
         keep = keep[keep != drop[:, None]].view(drop.shape[0], f - 1)  # (B, F-1)
         self.frames, self.actions = _gather(self.frames, keep), _gather(self.actions, keep)
         self.poses, self.index = _gather(self.poses, keep), _gather(self.index, keep)
+        self.levels = _gather(self.levels, keep)
 
     def chosen(self, target_poses: torch.Tensor) -> torch.Tensor:
         """Indices (B, k') into the bank of the frames chosen for a window at `target_poses` (B, w, 3)."""
@@ -197,21 +202,24 @@ class PoseBank:
         f = len(self)
         chosen = self.chosen(target_poses)  # (B, k')
         recent = torch.arange(max(0, f - self.recent), f, device=chosen.device).expand(chosen.shape[0], -1)
-        frames, actions, poses, index = self.frames, self.actions, self.poses, self.index
+        frames, actions, poses, index, levels = self.frames, self.actions, self.poses, self.index, self.levels
         if self.select == "other":  # the chosen frames come from the neighbouring sample's bank
-            frames, actions, poses, index = (t.roll(1, dims=0) for t in (frames, actions, poses, index))
+            frames, actions, poses, index, levels = (t.roll(1, dims=0) for t in (frames, actions, poses, index, levels))
         parts = [torch.cat([_gather(a, chosen), _gather(b_, recent)], dim=1) for a, b_ in
-                 ((frames, self.frames), (actions, self.actions), (poses, self.poses), (index, self.index))]
+                 ((frames, self.frames), (actions, self.actions), (poses, self.poses), (index, self.index),
+                  (levels, self.levels))]
         m = parts[0].shape[1]
         start = self.n_committed
         return MemoryFrames(parts[0], parts[1], positions=torch.arange(start - m, start, device=chosen.device),
-                            poses=parts[2], next_index=start, ages=start - parts[3], target_poses=target_poses)
+                            poses=parts[2], next_index=start, ages=start - parts[3], target_poses=target_poses,
+                            levels=parts[4])
 
     def nbytes(self) -> int:
-        """Bytes held by the kept frames, actions, poses and indices."""
+        """Bytes held by the kept frames, actions, poses, indices and levels."""
         if self.frames is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.frames, self.actions, self.poses, self.index))
+        kept = (self.frames, self.actions, self.poses, self.index, self.levels)
+        return sum(t.numel() * t.element_size() for t in kept)
 
     def __repr__(self) -> str:
         return (f"PoseBank(length={self.length}, pose_frames={self.pose_frames}, select={self.select!r}, "

@@ -1,12 +1,13 @@
 """The denoiser: a conv U-Net spatial path around spatio-temporal transformer blocks, in pixel space.
 
-Its layers are in arvdm/model/layers.py (transformer) and arvdm/model/unet.py (convolutions); this file
-holds the model, its memory plumbing and the state of a cached rollout.
+Its layers are in arvdm/model/layers.py (transformer) and arvdm/model/unet.py (convolutions), its memory path
+(past frames -> prefix tokens / concat vector / cross K/V) in arvdm/model/memory_path.py; this file holds the
+model, its forward and the commits of a cached rollout.
 
     model = Denoiser(cfg)                                    # cfg: arvdm.config.Config
     v = model(x, levels, actions, memory=MemoryFrames(...))  # training / uncached rollout
     state = model.init_state(batch_size)                     # cached rollout
-    model.commit(state, clean_frames, their_actions)         # frames leave the window
+    model.commit(state, frames, their_actions)               # frames leave the window (levels= if noised)
     v = model(x, levels, actions, state=state)
 
 Architecture (v-prediction; every frame has its own noise level):
@@ -30,10 +31,11 @@ Forcing's 3-D U-Net; that is where the chunked temporal attention, the memory an
 convolutions see one frame at a time, so chunked causality and "cached == recomputed" hold unchanged.
 
 Memory (memory.structure), from m raw frames or B compressed latent frames (memory.compressor):
-    prepend         memory frames/latents are a level-0 prefix of the temporal attention
+    prepend         memory frames/latents are a prefix of the temporal attention
     channel_concat  memory tokens concatenated along channels -> linear -> added to every window token
     cross_attention an extra AdaLN-gated cross-attention sublayer per block
-Memory frames are encoded by the same ConvEncoder at level 0 (their skips are not needed).
+Memory frames are encoded by the same ConvEncoder at their own level (MemoryFrames.levels; None = 0, clean;
+noisy context commits them at a level k_ctx > 0); their skips are not needed.
 
 Cached rollouts (`init_state` / `commit`) keep, per layer, the keys/values of committed frames
 (prepend), or the memory projection / cross-attention K/V (the other structures), so a denoising step
@@ -43,42 +45,24 @@ costs O(window + memory). See docs/model_and_memory.md for the cache semantics.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
 
 from arvdm.checks import value_checks_enabled
 from arvdm.config import CHANNEL_CONCAT, CROSS_ATTENTION, FACTORIZED, PREPEND, Config
-from arvdm.errors import ArvdmError
-from arvdm.model import checkpoint
+from arvdm.model import checkpoint, memory_path
 from arvdm.model.layers import Block, FinalLayer, LevelEmbedding, PoseTags, Rotary
+from arvdm.model.memory_path import DenoiserError
 from arvdm.model.state import RolloutState
 from arvdm.model.unet import ConvDecoder, ConvEncoder
 from memory import KVCache, MemoryFrames, RetentionPolicy, build_compressor, make_bank, relative_pose
-from memory.compress import sinusoidal
 
 __all__ = ["Denoiser", "DenoiserError"]
 
 POS_EMBED_INIT_STD = 0.02  # learned 2-D position embedding, initialised small (as in ViT / DiT)
-
-
-class DenoiserError(ArvdmError):
-    """An input to the denoiser has the wrong shape/range, or a schedule it cannot serve."""
-
-
-@dataclass
-class _Memory:
-    """Memory as the network sees it: L frames of tokens (raw frames or compressed latents)."""
-
-    tokens: torch.Tensor  # (B,L,N,D)
-    actions: torch.Tensor  # (B,L) (the "no action" index for latents)
-    positions: torch.Tensor  # (L,) absolute frame index used by RoPE
-    ages: torch.Tensor  # (L,) frames between each memory frame and the window (>= 1)
-    latent: bool
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,64 +236,6 @@ class Denoiser(nn.Module):
                                 f"{int(levels.min())}..{int(levels.max())}")
         self._check_actions(actions, (b, t), "actions")
 
-    # -- memory ------------------------------------------------------------------------------------
-    def _memory(self, mem: MemoryFrames | None, batch: int) -> _Memory | None:
-        """MemoryFrames -> what the network sees (raw frame tokens or compressed latents)."""
-        if mem is None or len(mem) == 0:
-            return None
-        self._check_frames(mem.frames, "memory.frames")
-        m = mem.frames.shape[1]
-        if mem.frames.shape[0] != batch:
-            raise DenoiserError(f"memory.frames has batch {mem.frames.shape[0]}, the window has {batch}")
-        self._check_actions(mem.actions, (batch, m), "memory.actions")
-        pos = mem.frame_positions().to(mem.frames.device)  # (m,)
-        if pos.shape != (m,):
-            raise DenoiserError(f"memory.positions must be ({m},), got {tuple(pos.shape)}")
-        start = mem.window_start
-        if self.memory_concat and self.compressor is None and m > self.memory_slots:
-            raise DenoiserError(f"channel_concat has {self.memory_slots} memory slots (memory.length), got "
-                                f"{m} memory frames")
-        tokens, _ = self._embed_frames(mem.frames, self._cond(torch.zeros_like(mem.actions), mem.actions))
-        ages = start - pos  # (m,)
-        if self.pose_aware:
-            if mem.poses is None or mem.target_poses is None:
-                raise DenoiserError("a pose-aware model (memory.select=pose) needs memory.poses and "
-                                    "memory.target_poses (the poses of the frames to generate)")
-            per_sample_ages = mem.ages if mem.ages is not None else ages.expand(batch, m)  # (B,m)
-            tokens = tokens + self._tags(mem.poses, mem.target_poses, per_sample_ages)[:, :, None]  # (B,m,N,D)
-        if self.compressor is None:
-            return _Memory(tokens, mem.actions, pos, ages, latent=False)
-        lat = self.compressor(tokens, mem.actions, ages)  # (B,L,N,D)
-        n_lat = lat.shape[1]
-        lat_pos = start - n_lat + torch.arange(n_lat, device=lat.device)  # latents sit just before the window
-        null = torch.full((batch, n_lat), self.null_action, dtype=torch.long, device=lat.device)
-        return _Memory(lat, null, lat_pos, start - lat_pos, latent=True)
-
-    def _prefix_cond(self, mem: _Memory) -> torch.Tensor:
-        """AdaLN condition of prefix frames: level 0 (clean) + their action. (B,L,D)"""
-        return self._cond(torch.zeros_like(mem.actions), mem.actions)
-
-    def _concat_vector(self, mem: _Memory | None, batch: int) -> torch.Tensor:
-        """channel_concat: memory (B,L',N,D) -> (B,N,D) added to every window token."""
-        d, n, slots = self.pos_embed.shape[-1], self.num_tokens, self.memory_slots
-        if mem is None:  # an empty bank: every slot is empty (zeros)
-            tok = self.pos_embed.new_zeros(batch, slots, n, d)
-        else:
-            tok = mem.tokens if mem.latent else mem.tokens + self.action_embed(mem.actions)[:, :, None]
-            # fewer frames than slots (a bank still filling up): empty slots are the oldest ones
-            tok = F.pad(tok, (0, 0, 0, 0, slots - tok.shape[1], 0))  # (B,L,N,D)
-        tok = tok.permute(0, 2, 1, 3).reshape(batch, n, slots * d)  # (B,N,L*D): frames along channels
-        return self.memory_proj(tok)  # (B,N,D)
-
-    def _cross_kv(self, mem: _Memory) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cross_attention: per layer (K, V) of the memory tokens (B,H,L*N,hd)."""
-        tok = mem.tokens
-        if not mem.latent:  # raw frames carry their action and how long ago they were seen
-            age = self.memory_age(sinusoidal(mem.ages, tok.shape[-1]))  # (L,D)
-            tok = tok + self.action_embed(mem.actions)[:, :, None] + age[None, :, None]  # (B,L,N,D)
-        tok = tok.reshape(tok.shape[0], -1, tok.shape[-1])  # (B,L*N,D)
-        return [blk.cross.memory_kv(tok) for blk in self.blocks]
-
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor,
                 memory: MemoryFrames | None = None, state: RolloutState | None = None) -> torch.Tensor:
@@ -348,12 +274,14 @@ class Denoiser(nn.Module):
             if self.memory_prefix:
                 pasts = state.caches
             elif self.memory_concat:
-                vec = state.memory_vec if state.memory_vec is not None else self._concat_vector(None, b)
+                vec = state.memory_vec
+                if vec is None:  # nothing committed yet: every slot empty
+                    vec = memory_path.concat_vector(self, None, b)
                 h = h + vec[:, None]  # (B,T,N,D)
             else:
                 cross_kv = state.cross_kv
         else:
-            mem = self._memory(memory, b)
+            mem = memory_path.memory_tokens(self, memory, b)
             start = memory.window_start if mem is not None else 0
             pos = start + torch.arange(t, device=x.device)  # (T,)
             if self.memory_prefix and mem is not None:
@@ -361,12 +289,12 @@ class Denoiser(nn.Module):
                 n_prefix = mem.tokens.shape[1]
                 prefix_chunk = n_prefix if mem.latent else self.frames_per_chunk
                 h = torch.cat([mem.tokens, h], dim=1)  # (B,L+T,N,D)
-                cond = torch.cat([self._prefix_cond(mem), cond], dim=1)  # (B,L+T,D)
+                cond = torch.cat([memory_path.prefix_cond(self, mem), cond], dim=1)  # (B,L+T,D)
                 pos = torch.cat([mem.positions, pos])  # (L+T,)
             elif self.memory_concat:
-                h = h + self._concat_vector(mem, b)[:, None]  # (B,T,N,D)
+                h = h + memory_path.concat_vector(self, mem, b)[:, None]  # (B,T,N,D)
             elif self.memory_cross and mem is not None:
-                cross_kv = self._cross_kv(mem)
+                cross_kv = memory_path.cross_kv(self, mem)
 
         h, _ = self._run(h, cond, pos, pasts=pasts, n_prefix=n_prefix, prefix_chunk=prefix_chunk,
                          cross_kv=cross_kv)
@@ -401,18 +329,20 @@ class Denoiser(nn.Module):
 
     @torch.no_grad()
     def commit(self, state: RolloutState, frames: torch.Tensor, actions: torch.Tensor,
-               poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None) -> None:
-        """Write clean frames that left the window into the rollout state.
+               poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None,
+               levels: torch.Tensor | None = None) -> None:
+        """Write frames that left the window into the rollout state.
 
         Args:
             state: from `init_state`.
-            frames: (B,n,C,H,W) clean frames, n a multiple of `model.frames_per_chunk`.
+            frames: (B,n,C,H,W) frames, clean or noised to `levels`; n a multiple of `model.frames_per_chunk`.
             actions: (B,n) their actions.
             poses: (B,n,3) their poses: required by a pose-aware model (memory.select=pose), else optional.
             target_poses: (B,w,3) poses of the next window's frames (pose-aware models choose its memory by them).
+            levels: (B,n) int64 the frames' noise levels in 0..K-1 (noisy context); None = clean (level 0).
 
         The frames go to the bank (retention applied). For prepend with raw frames they also run through
-        the network at level 0, attending to what the cache holds now, and their K/V are appended to
+        the network at their level, attending to what the cache holds now, and their K/V are appended to
         every layer's cache (then evicted by the layer's policy). For compressed prepend, channel_concat
         and cross_attention the memory representation is rebuilt from the bank, once per commit.
         """
@@ -425,15 +355,17 @@ class Denoiser(nn.Module):
                                 f"{self.frames_per_chunk} (chunks of committed frames must not shift)")
         self._check_actions(actions, (b, n), "actions")
         start = state.n_committed
+        if levels is not None:  # checked as memory levels are (shape, dtype, 0..K-1)
+            levels = memory_path.memory_levels(self, MemoryFrames(frames, actions, levels=levels), b)  # (B,n)
         if self.caches_committed_kv:
-            cond = self._cond(torch.zeros_like(actions), actions)  # clean frames: level 0
+            cond = self._cond(torch.zeros_like(actions) if levels is None else levels, actions)  # (B,n,D)
             h, _ = self._embed_frames(frames, cond)  # (B,n,N,D)
             pos = start + torch.arange(n, device=frames.device)  # (n,)
             _, kvs = self._run(h, cond, pos, pasts=state.caches, n_prefix=n,
                                prefix_chunk=self.frames_per_chunk)
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, range(start, start + n))
-        state.bank.append(frames, actions, poses)
+        state.bank.append(frames, actions, poses, levels)
         state.target_poses = target_poses
         for cache in state.caches:
             cache.evict(state.n_committed)
@@ -446,21 +378,21 @@ class Denoiser(nn.Module):
         if self.pose_aware and state.target_poses is None:
             raise DenoiserError("a pose-aware model (memory.select=pose) chooses each window's memory by the "
                                 "window's poses: commit(..., target_poses=(B, w, 3))")
-        mem = self._memory(state.bank.memory(state.target_poses), state.batch_size)
+        mem = memory_path.memory_tokens(self, state.bank.memory(state.target_poses), state.batch_size)
         if self.memory_prefix:
             for cache in state.caches:
                 cache.reset()
             if mem is None:
                 return
             n_mem = mem.tokens.shape[1]  # memory sees itself (latents: one chunk), never the window
-            _, kvs = self._run(mem.tokens, self._prefix_cond(mem), mem.positions, n_prefix=n_mem,
+            _, kvs = self._run(mem.tokens, memory_path.prefix_cond(self, mem), mem.positions, n_prefix=n_mem,
                                prefix_chunk=n_mem if mem.latent else self.frames_per_chunk)
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, mem.positions.tolist())
         elif self.memory_concat:
-            state.memory_vec = self._concat_vector(mem, state.batch_size)
+            state.memory_vec = memory_path.concat_vector(self, mem, state.batch_size)
         else:
-            state.cross_kv = self._cross_kv(mem) if mem is not None else None
+            state.cross_kv = memory_path.cross_kv(self, mem) if mem is not None else None
 
     # -- checkpoints (the I/O lives in arvdm/model/checkpoint.py) --------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> Path:

@@ -18,6 +18,11 @@ The loop (Meta-ARVDM, arXiv 2503.10704, Alg. 1):
 5. repeat 4 until ``n_frames`` frames are out (frames past ``n_frames`` are generated with the last action
    repeated and discarded).
 
+Error-accumulation levers (docs/sampling.md): ``context_level`` k_ctx (the schedule's by default) commits the
+finished frames, and the context, re-noised to level k_ctx and tells the model so (noisy context, GameNGen
+2024 / Diffusion Forcing 2024); ``history_guidance`` W guides each row's v towards the memory (DFoT 2025).
+k_ctx = 0 and W = 0 are exactly the plain rollout (nothing extra drawn, one model call per row).
+
 ``use_cache=False`` is the Diffusion Forcing reference behaviour: no KV cache; at every denoising call the
 model re-encodes the remembered past frames, passed as ``memory=MemoryFrames(...)``. Which past frames are
 remembered is decided by the same retention policy (``memory.RetentionPolicy`` from ``cfg.memory``) that
@@ -33,11 +38,11 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from arvdm.config import SamplingError, check_eta
+from arvdm.config import SamplingError, check_eta, check_guidance
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.rows import PlainRows, RolloutContext, RolloutStep, RowRunner
-from arvdm.schedules.matrix import ARSchedule
+from arvdm.schedules.matrix import ARSchedule, check_context_level
 from memory import make_bank
 
 __all__ = ["rollout"]
@@ -48,7 +53,8 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, *, eta: float | None = None,
             generator: torch.Generator | None = None, use_cache: bool = True, progress: bool = True,
             return_intermediate: bool = False, rows: RowRunner | None = None, poses: torch.Tensor | None = None,
-            memory_select: str | None = None) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+            memory_select: str | None = None, context_level: int | None = None, history_guidance: float = 0.0
+            ) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """Generate ``n_frames`` frames after ``context`` with a Meta-ARVDM schedule.
 
     Args:
@@ -78,22 +84,37 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             (memory.select=pose), which chooses each window's memory by them; ignored by other models.
         memory_select: how a pose-aware model chooses memory (``memory.SELECTIONS``: pose, time, none, other;
             same weights, another choice: the memory ablation); None = the model's own (pose / retention).
+        context_level: k_ctx in 0..K-1: the context and every finished frame are committed to memory re-noised
+            to level k_ctx (fresh noise from ``generator``, drawn at each commit after the window's own draws),
+            and the model is told their level; the emitted frames stay clean. None = ``schedule.context_level``.
+            Meant for a model trained with ``train.context_noise_max >= k_ctx``.
+        history_guidance: W, any finite number: every row's v is ``v_mem + W (v_mem - v_nomem)``, ``v_nomem``
+            the same window without memory (two calls per row). 0 = one call, exactly the unguided rollout.
+            Meant for a model trained with ``train.memory_dropout > 0``.
 
     Returns:
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.
     """
     b, n_ctx = _check_inputs(context, context_actions, actions, n_frames)
     eta = check_eta(diffusion.cfg.eta if eta is None else eta, "rollout eta", SamplingError)
+    k_ctx = schedule.context_level if context_level is None else check_context_level(
+        context_level, schedule.num_levels, "rollout context_level")
+    guidance = check_guidance(history_guidance, "rollout history_guidance", SamplingError)
+    runner = PlainRows() if rows is None else rows
+    if (k_ctx or guidance) and not isinstance(runner, PlainRows):
+        raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} need the plain row runner; "
+                            f"{type(runner).__name__} does not support them yet (use context_level=0 and "
+                            "history_guidance=0, or no speculation)")
     _check_model(model, diffusion, schedule, n_ctx)
     _check_action_range(model, context_actions, actions[:, :n_frames])  # once per rollout, not per call
     ctx = RolloutContext(model, diffusion, eta, generator, b, context.device, context.dtype,
-                         record=[] if return_intermediate else None)
+                         record=[] if return_intermediate else None, context_level=k_ctx,
+                         history_guidance=guidance)
     select = {} if memory_select is None else {"memory_select": memory_select}
     if use_cache:  # the model's own state (KV caches + bank)
         ctx.state = model.init_state(b, **select)
     else:  # a bank we keep ourselves, as the model's own (the recomputing reference)
         ctx.bank = make_bank(model.cfg.memory, memory_select)
-    runner = PlainRows() if rows is None else rows
     runner.start(ctx)
     ctx_poses, win_poses = _poses(model, poses, schedule, n_ctx, n_frames, b, context.device)
     if n_ctx:
@@ -141,8 +162,8 @@ def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, 
 
 def _commit(ctx: RolloutContext, runner: RowRunner, frames: torch.Tensor, actions: torch.Tensor,
             poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None) -> None:
-    ctx.commit(frames, actions, poses, target_poses)
-    runner.commit(frames, actions)
+    """Frames into the past (re-noised to the context level when it is > 0); the runner hears of what went in."""
+    runner.commit(ctx.commit(frames, actions, poses, target_poses), actions)
 
 
 def _poses(model: RolloutModel, poses: torch.Tensor | None, schedule: ARSchedule, n_ctx: int, n_frames: int, b: int,

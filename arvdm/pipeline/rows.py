@@ -12,6 +12,11 @@ source and the past frames.
 Contract of a runner: every random number comes from ``RolloutContext.noise`` (the rollout's generator),
 drawn in the order a plain rollout draws them, so that a rollout is reproducible from its seed; a runner
 never commits frames itself (the rollout does, then tells it through :meth:`RowRunner.commit`).
+
+Two error-accumulation levers live in the context, so every runner gets them through the same two methods:
+``RolloutContext.commit`` re-noises the frames to the context level k_ctx (noisy context), and
+``RolloutContext.predict`` applies history guidance ``v = v_mem + W (v_mem - v_nomem)`` (DFoT, Song et al.
+2025), where ``v_nomem`` is the same window with no memory; W = 0 makes exactly one model call.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class RolloutContext:
     Exactly one of ``state`` (``use_cache=True``: the model's KV caches + bank) and ``bank`` (``use_cache=False``:
     a bank under the model's retention policy, handed over in full at every call) is set. ``record`` is a
     list to append one :class:`RolloutStep` per model call to (``return_intermediate=True``), else None.
+    ``context_level`` k_ctx: committed frames are re-noised to it (0 = clean, nothing drawn);
+    ``history_guidance`` W: the guidance weight (0 = the memory-conditioned v alone).
     """
 
     model: RolloutModel
@@ -74,27 +81,47 @@ class RolloutContext:
     bank: MemoryBank | PoseBank | None = None
     record: list[RolloutStep] | None = None
     window_poses: torch.Tensor | None = None  # (B, w, 3) poses of the window's frames (pose-aware models), else None
+    context_level: int = 0
+    history_guidance: float = 0.0
 
     def noise(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The next standard normal draw of the rollout's generator."""
         return _standard_normal(shape, self.generator, self.device, self.dtype)
 
     def predict(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        """The model's v (B, w, C, H, W) for the window ``x`` at ``levels`` (B, w), given the whole past."""
+        """The model's v (B, w, C, H, W) for the window ``x`` at ``levels`` (B, w), given the whole past;
+        with history guidance W != 0, ``v_mem + W (v_mem - v_nomem)`` (a second call, without memory)."""
         if self.bank is None:
-            return self.model(x, levels, actions, state=self.state)
-        return self.model(x, levels, actions, memory=self.bank.memory(self.window_poses))  # recomputed
+            v = self.model(x, levels, actions, state=self.state)
+        else:
+            v = self.model(x, levels, actions, memory=self.bank.memory(self.window_poses))  # recomputed
+        if self.history_guidance == 0:
+            return v
+        # the window alone: positions 0..w-1, the same relative positions (RoPE) as with memory
+        v_nomem = self.model(x, levels, actions, memory=None)  # (B, w, C, H, W)
+        return v + self.history_guidance * (v - v_nomem)
 
     def commit(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
-               target_poses: torch.Tensor | None = None) -> None:
+               target_poses: torch.Tensor | None = None) -> torch.Tensor:
         """Frames (B, n, C, H, W) that left the window, with their (B, n) actions, into the past; pose-aware models
-        also take their poses (B, n, 3) and the next window's (B, w, 3), by which its memory is chosen."""
+        also take their poses (B, n, 3) and the next window's (B, w, 3), by which its memory is chosen.
+
+        With a context level k_ctx > 0 the frames are first re-noised to k_ctx with fresh noise (drawn here, from
+        the rollout's generator) and committed with their levels. Returns the frames as committed.
+        """
+        levels = None
+        if self.context_level > 0:
+            b, n = actions.shape
+            levels = torch.full((b, n), self.context_level, dtype=torch.long, device=frames.device)  # (B, n)
+            frames = self.diffusion.add_noise(frames, self.noise(frames.shape), levels)  # (B, n, C, H, W) at k_ctx
+        kw = {} if levels is None else {"levels": levels}  # a model without noisy context is called as before
         if self.bank is not None:
-            self.bank.append(frames, actions, poses)
+            self.bank.append(frames, actions, poses, **kw)
         elif poses is None:
-            self.model.commit(self.state, frames, actions)
+            self.model.commit(self.state, frames, actions, **kw)
         else:
-            self.model.commit(self.state, frames, actions, poses, target_poses)
+            self.model.commit(self.state, frames, actions, poses, target_poses, **kw)
+        return frames
 
 
 class RowRunner(Protocol):

@@ -8,14 +8,20 @@ Meta-ARVDM (Wang, Zhang, Li et al., arXiv 2503.10704, Sec. 3) describes every su
 * the AR-step scheduling matrix ``S`` of shape ``(M+1, w)``: ``S[m, j]`` is the integer noise level of
   window frame ``j`` after ``m`` of the step's ``M`` denoising calls (0 = clean, ``K`` = pure noise).
   Row 0 is the input levels ``t^I``, row ``M`` the output levels ``t^O``,
-* an initialization stage that brings a pure-noise window (all ``K``) to ``t^I`` in ``M_init`` calls.
+* an initialization stage that brings a pure-noise window (all ``K``) to ``t^I`` in ``M_init`` calls,
+* the context level ``k_ctx`` (``context_level``, default 0): the level at which finished frames sit in memory.
+  The Δ frames leave the window clean (``t^O[0:Δ] = 0``, and they are emitted clean); they are committed to
+  memory re-noised to ``k_ctx`` (fresh noise), and the model is told their level. Context frames too. With
+  ``k_ctx = 0`` memory is clean, the paper's setting; a small ``k_ctx > 0`` is the noisy context of GameNGen
+  (2024) and Diffusion Forcing (2024), which keeps errors of generated frames from being read as fact.
 
 A valid matrix satisfies the framework's conditions, checked when an :class:`ARSchedule` is built:
 
 * column monotonicity: every column is non-increasing down the rows (a frame is never re-noised);
 * monotonicity: within a row, levels are non-decreasing with the frame index (older frames are cleaner);
 * circularity: ``t^O[j+Δ] = t^I[j]`` (after the step the window shifts by Δ and keeps its levels);
-* 0–T boundary: ``t^O[0:Δ] = 0`` (Δ frames leave clean) and ``t^I[w−Δ:w] = K`` (new frames enter as noise).
+* 0–T boundary: ``t^O[0:Δ] = 0`` (Δ frames leave clean) and ``t^I[w−Δ:w] = K`` (new frames enter as noise);
+  the memory side of the boundary is at ``k_ctx``, with ``0 <= k_ctx < K`` (a frame at K would carry nothing).
 
 This file is the schedule object and its conditions; the presets and the lookup by name are in
 arvdm.schedules.presets, schedule files in arvdm.schedules.files, pictures in arvdm.schedules.plots.
@@ -36,7 +42,7 @@ import numpy as np
 from arvdm.errors import ArvdmError
 from data.atomic import atomic_write
 
-__all__ = ["ARSchedule", "ScheduleError", "Transition", "integer_arg", "round_half_up"]
+__all__ = ["ARSchedule", "ScheduleError", "Transition", "check_context_level", "integer_arg", "round_half_up"]
 
 
 class ScheduleError(ArvdmError):
@@ -44,7 +50,8 @@ class ScheduleError(ArvdmError):
 
     ``condition`` names the violated condition (``"shape"``, ``"integer"``, ``"range"``, ``"delta"``,
     ``"column monotonicity"``, ``"monotonicity"``, ``"0-T boundary"``, ``"circularity"``, ``"init_steps"``,
-    ``"degenerate"``, ``"argument"``, ``"file"``); the message also says where (row/column) and the values.
+    ``"degenerate"``, ``"argument"``, ``"context_level"``, ``"file"``); the message also says where
+    (row/column) and the values.
     """
 
     def __init__(self, condition: str, message: str):
@@ -80,15 +87,16 @@ class ARSchedule:
             for the initialization to descend no faster per call than the fastest column of ``S``
             (for FIFO with one call per shift: ``w − 1``).
         name: a label (``"chunked"``, ``"fifo"``, ``"pyramid"``, ``"custom"``, a file name).
+        context_level: k_ctx, the level finished frames sit at in memory, ``0 <= k_ctx < K`` (0 = clean).
 
     Raises:
         ScheduleError: naming the violated condition, the row/column and the offending values.
     """
 
-    __slots__ = ("_delta", "_init_steps", "_matrix", "_name", "_num_levels")
+    __slots__ = ("_context_level", "_delta", "_init_steps", "_matrix", "_name", "_num_levels")
 
     def __init__(self, matrix: Any, delta: int, num_levels: int, init_steps: int | None = None,
-                 name: str = "custom"):
+                 name: str = "custom", context_level: int = 0):
         num_levels = integer_arg("num_levels", num_levels)
         if num_levels < 1:
             raise ScheduleError("argument", f"num_levels K must be >= 1, got {num_levels}")
@@ -100,6 +108,7 @@ class ARSchedule:
         object.__setattr__(self, "_num_levels", num_levels)
         object.__setattr__(self, "_name", str(name))
         object.__setattr__(self, "_init_steps", self._resolve_init_steps(init_steps))
+        object.__setattr__(self, "_context_level", check_context_level(context_level, num_levels))
 
     def __setattr__(self, key: str, value: Any) -> None:  # frozen, like a frozen dataclass
         raise AttributeError(f"ARSchedule is immutable; build a new one instead of setting {key!r}")
@@ -124,6 +133,15 @@ class ARSchedule:
     def init_steps(self) -> int:
         """M_init: denoising calls of the initialization stage (0 when t^I is all K)."""
         return self._init_steps
+
+    @property
+    def context_level(self) -> int:
+        """k_ctx: the noise level finished (and context) frames are committed to memory at (0 = clean)."""
+        return self._context_level
+
+    def with_context_level(self, context_level: int) -> ARSchedule:
+        """The same schedule with finished frames committed to memory at ``context_level`` (checked)."""
+        return ARSchedule(self._matrix, self._delta, self._num_levels, self._init_steps, self._name, context_level)
 
     @property
     def name(self) -> str:
@@ -208,7 +226,7 @@ class ARSchedule:
     # -- (de)serialisation --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"name": self._name, "delta": self._delta, "num_levels": self._num_levels,
-                "init_steps": self._init_steps, "matrix": self._matrix.tolist()}
+                "init_steps": self._init_steps, "context_level": self._context_level, "matrix": self._matrix.tolist()}
 
     def to_json(self) -> str:
         """JSON with one matrix row per line (so a schedule file reads like the matrix it holds)."""
@@ -227,7 +245,8 @@ class ARSchedule:
 
     # -- python protocol ----------------------------------------------------------------------------
     def _key(self) -> tuple:
-        return (self._delta, self._num_levels, self._init_steps, self._matrix.shape, self._matrix.tobytes())
+        return (self._delta, self._num_levels, self._init_steps, self._context_level, self._matrix.shape,
+                self._matrix.tobytes())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ARSchedule):
@@ -241,7 +260,7 @@ class ARSchedule:
         rows = "\n".join("    " + " ".join(f"{v:>{len(str(self._num_levels))}d}" for v in r) for r in self._matrix)
         return (f"ARSchedule(name={self._name!r}, window={self.window}, delta={self._delta}, "
                 f"num_levels={self._num_levels}, num_steps={self.num_steps}, init_steps={self._init_steps},"
-                f" matrix=\n{rows})")
+                f" context_level={self._context_level}, matrix=\n{rows})")
 
     # -- internals ----------------------------------------------------------------------------------
     def _resolve_init_steps(self, init_steps: int | None) -> int:
@@ -272,6 +291,18 @@ def integer_arg(what: str, value: Any) -> int:
             return int(value)
         raise ScheduleError("argument", f"{what} must be an integer, got {value!r}")
     return int(value)
+
+
+def check_context_level(context_level: Any, num_levels: int, what: str = "context_level") -> int:
+    """k_ctx as an int in ``0..K-1``, else ScheduleError (condition ``"context_level"``) naming ``what``."""
+    try:
+        k = integer_arg(what, context_level)
+    except ScheduleError as e:
+        raise ScheduleError("context_level", str(e).split(": ", 1)[1]) from None
+    if not 0 <= k < num_levels:
+        raise ScheduleError("context_level", f"{what} must be in 0..K-1 = 0..{num_levels - 1} (the level finished "
+                            f"frames sit at in memory; K={num_levels} would be pure noise), got {k}")
+    return k
 
 
 def _as_level_array(matrix: Any) -> np.ndarray:

@@ -6,6 +6,7 @@ The three presets of Meta-ARVDM (arXiv 2503.10704) come out of one builder (:fun
     >>> fifo(window=4, num_levels=1000).matrix                   # FIFO / rolling diffusion, Δ = 1
     >>> pyramid(window=4, num_levels=1000, steps=4).matrix       # Diffusion Forcing pyramid, Δ = w
     >>> get_schedule("fifo", window=4, num_levels=1000, steps=8)  # a preset (or a file) at equal steps
+    >>> get_schedule("fifo", 4, 1000, 8, context_level=20)  # finished frames sit at level 20 in memory
 
 The schedule object and its conditions are :class:`arvdm.schedules.matrix.ARSchedule`; files are read by
 arvdm.schedules.files. ``python -m arvdm.schedules --plot docs/schedules.png`` draws the presets
@@ -57,12 +58,12 @@ def from_level_fn(level: Callable[[int, int], Fraction | int], *, window: int, d
 
 
 def from_matrix(matrix: Any, delta: int, num_levels: int, init_steps: int | None = None,
-                name: str = "custom") -> ARSchedule:
+                name: str = "custom", context_level: int = 0) -> ARSchedule:
     """A schedule from a user's own matrix (nested list / numpy / torch, (M+1, w) integer levels), checked.
 
     Public API for matrices that no preset makes; the same as ``ARSchedule(matrix, delta, num_levels, ...)``.
     """
-    return ARSchedule(matrix, delta, num_levels, init_steps=init_steps, name=name)
+    return ARSchedule(matrix, delta, num_levels, init_steps=init_steps, name=name, context_level=context_level)
 
 
 def chunked(window: int, num_levels: int, steps: int, *, init_steps: int | None = None) -> ARSchedule:
@@ -105,14 +106,23 @@ def pyramid(window: int, num_levels: int, steps: int, stagger: int = 1, *,
 
 
 def get_schedule(name_or_path: str | os.PathLike | ARSchedule, window: int | None, num_levels: int,
-                 steps: int | None = None, **kwargs: Any) -> ARSchedule:
+                 steps: int | None = None, context_level: int | None = None, **kwargs: Any) -> ARSchedule:
     """A preset by name, or a schedule file (see :func:`load_schedule`), for a ``window``-frame model.
 
     ``steps`` is the number of denoising calls every frame takes from K to 0, so the presets compare at
     equal quality: ``chunked(steps)``, ``pyramid(steps, stagger)`` and ``fifo(steps_per_shift =
     ceil(steps / window))`` (FIFO frames take a multiple of w calls). ``kwargs`` go to the preset
     (``stagger``, ``init_steps``). A file's schedule must match ``num_levels`` and (unless None) ``window``.
+    ``context_level`` (k_ctx, 0..K-1) sets the level finished frames sit at in memory; None = the preset's 0 or
+    the file's own.
     """
+    sched = _lookup(name_or_path, window, num_levels, steps, **kwargs)
+    return sched if context_level is None else sched.with_context_level(context_level)
+
+
+def _lookup(name_or_path: str | os.PathLike | ARSchedule, window: int | None, num_levels: int,
+            steps: int | None, **kwargs: Any) -> ARSchedule:
+    """`get_schedule` without the context level: a preset, a file or a schedule, checked against the model."""
     if isinstance(name_or_path, ARSchedule):
         sched = name_or_path
     elif str(name_or_path) in PRESETS:

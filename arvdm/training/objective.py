@@ -6,7 +6,10 @@
     ema = EMA(model, cfg.train.ema_decay); ema.update(model, step)
 
 Contract: `diffusion_forcing_loss` draws its levels, then its noise, from `generator` only (never the global
-RNG), so a run that restores the generator's state draws the same numbers again (exact resume).
+RNG), so a run that restores the generator's state draws the same numbers again (exact resume). The two
+error-accumulation levers draw after those, and only when on: the memory frames' levels and noise
+(`context_noise_max` > 0, noisy context), then the memory-dropout coin (`memory_dropout` > 0, history
+guidance); with both off the draws, and so the run, are what they were before the levers existed.
 """
 
 from __future__ import annotations
@@ -26,22 +29,23 @@ ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
 
 
 def memory_frames(frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
-                  ages: torch.Tensor | None = None) -> MemoryFrames:
-    """The model's `memory=` argument for clean past frames (B,m,C,H,W) and their actions (B,m).
+                  ages: torch.Tensor | None = None, levels: torch.Tensor | None = None) -> MemoryFrames:
+    """The model's `memory=` argument for past frames (B,m,C,H,W) and their actions (B,m).
 
     Pose-chosen memory (memory.select=pose) also gives `poses` (B,m+w,3) of memory and window frames and the
-    memory frames' `ages` (B,m): the window's poses become the memory's `target_poses`.
+    memory frames' `ages` (B,m): the window's poses become the memory's `target_poses`. Noised memory frames
+    come with their `levels` (B,m) int64 (None = clean).
     """
     m = frames.shape[1]
     if poses is None:
-        return MemoryFrames(frames, actions)  # positions 0..m-1; the window follows at m..m+w-1
-    return MemoryFrames(frames, actions, poses=poses[:, :m], ages=ages, target_poses=poses[:, m:])
+        return MemoryFrames(frames, actions, levels=levels)  # positions 0..m-1; the window follows at m..m+w-1
+    return MemoryFrames(frames, actions, poses=poses[:, :m], ages=ages, target_poses=poses[:, m:], levels=levels)
 
 
 def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int,
                            num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
-                           ages: torch.Tensor | None = None):
+                           ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -50,6 +54,11 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     left out of the loss (they still teach it to read clean frames in the window). `weight` is
     `PerFrameDiffusion.loss_weight`'s kind (uniform or min_snr with `gamma`). `poses` (B, m+w, 3) and `ages`
     (B, m) come with pose-chosen memory (`arvdm.training.loader.pose_memory`).
+
+    `context_noise_max` k (noisy context, GameNGen / Diffusion Forcing): each memory frame draws a level in
+    0..k and is noised to it (`diffusion.add_noise`); the model is told its level. `memory_dropout` p (history
+    guidance, DFoT): with probability p the whole batch sees no memory (the coin is read on the host: one sync
+    per step, only when p > 0). Both draw after the window's levels and noise, and nothing when 0.
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -59,13 +68,32 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     levels, noise = levels.to(x0.device), noise.to(x0.device)
     x_t = diffusion.add_noise(x0, noise, levels)  # (B, w, C, H, W)
     target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
-    mem = memory_frames(video[:, :m], actions[:, :m], poses, ages) if m > 0 else None
+    mem = _memory(diffusion, video[:, :m], actions[:, :m], poses, ages, generator, context_noise_max,
+                  memory_dropout) if m > 0 else None
     with autocast():
         v = model(x_t, levels, act, memory=mem)  # (B, w, C, H, W)
     per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
     counted = (levels > 0).to(per_frame.dtype)  # (B, w)
     w_levels = diffusion.loss_weight(levels, weight, gamma).to(per_frame.dtype)  # (B, w)
     return (per_frame * w_levels * counted).sum(), counted.sum()
+
+
+def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None,
+            ages: torch.Tensor | None, generator: torch.Generator, context_noise_max: int,
+            memory_dropout: float) -> MemoryFrames | None:
+    """The loss's memory (frames (B,m,C,H,W)): noised to drawn levels, or dropped; draws only for a lever that is on."""
+    levels = None
+    if context_noise_max > 0:
+        b, m = actions.shape
+        levels = torch.randint(0, context_noise_max + 1, (b, m), generator=generator, device=generator.device)
+        noise = torch.randn(frames.shape, generator=generator, device=generator.device, dtype=frames.dtype)
+        levels, noise = levels.to(frames.device), noise.to(frames.device)
+        frames = diffusion.add_noise(frames, noise, levels)  # (B, m, C, H, W) at their levels
+    if memory_dropout > 0:
+        coin = torch.rand((), generator=generator, device=generator.device)
+        if bool(coin < memory_dropout):  # the whole batch sees the window only (as v_nomem does at sampling)
+            return None
+    return memory_frames(frames, actions, poses, ages, levels)
 
 
 def lr_factor(step: int, warmup: int, max_steps: int) -> float:

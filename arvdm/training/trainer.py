@@ -176,7 +176,9 @@ class Trainer:
             with sync:
                 total, count = diffusion_forcing_loss(self.net, self.diffusion, video, actions, self.m, self.K,
                                                       self.generator, self.autocast, tc.loss_weight,
-                                                      tc.min_snr_gamma, **extras)
+                                                      tc.min_snr_gamma, **extras,
+                                                      context_noise_max=tc.context_noise_max,
+                                                      memory_dropout=tc.memory_dropout)
                 total.backward()
             total_sum += total.detach().float()
             count_sum += count.detach().float()
