@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--eta", type=float, default=None,
                    help="0 = DDIM, 1 = DDPM-like (default: the run's diffusion.eta, 1 for the presets)")
+    p.add_argument("--context-level", type=int, default=None, metavar="K",
+                   help="finished frames sit at this noise level in memory (noisy context; default: the schedule's, 0)")
+    p.add_argument("--history-guidance", type=float, default=0.0, metavar="W",
+                   help="v = v_mem + W (v_mem - v_nomem) (history guidance, DFoT); 0 = off, one model call per row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
     p.add_argument("--split", default="validation", choices=["validation", "training"],
@@ -110,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                               use_cache=not args.no_cache, evaluate=args.eval, data=args.data, split=args.split,
                               use_ema=not args.no_ema, device=args.device, hybrid=hybrid or None,
                               compile=args.compile, speculate=args.speculate, draft=args.draft,
-                              lookaheads=lookaheads, level_bins=args.level_bins, memory_select=args.memory_select)
+                              lookaheads=lookaheads, level_bins=args.level_bins, memory_select=args.memory_select,
+                              context_level=args.context_level, history_guidance=args.history_guidance)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads

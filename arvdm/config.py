@@ -423,6 +423,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train.ema_decay": 0.995,
         "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500,
     },
+    # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
+    # the baseline a pose-aware run is compared with, and the preset tests of time-based machinery build on.
+    "tiny_time": {"memory.length": 4, "memory.select": "time", "memory.pose_frames": 0},
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {
         "model.patch_size": 4, "model.dim": 512, "model.depth": 12, "model.heads": 8,
@@ -440,7 +443,7 @@ def get_preset(name: str) -> Config:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     cfg = Config(preset=name)
-    for key, value in PRESETS[name].items():
+    for key, value in {**(PRESETS["tiny"] if name == "tiny_time" else {}), **PRESETS[name]}.items():
         _set(cfg, key, value)
     return cfg
 

@@ -48,7 +48,7 @@ from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
-from arvdm.schedules.matrix import ARSchedule
+from arvdm.schedules.matrix import ARSchedule, check_context_level
 from arvdm.schedules.presets import get_schedule
 from arvdm.speculative.rows import (
     Speculation,
@@ -82,7 +82,10 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     if settings.compile:
         model = compile_for_sampling(model)
-    schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps)
+    if settings.context_level is not None:
+        check_context_level(settings.context_level, cfg.diffusion.num_levels, "--context-level")
+    schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps,
+                            context_level=settings.context_level)
     model.check_schedule(schedule.delta, schedule.window)
     context = _context_frames(settings, cfg)
     real, actions, poses = load_validation_episodes(data_root, cfg, settings.episodes,
@@ -145,7 +148,8 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
                       eta=settings.eta, generator=generator, use_cache=settings.use_cache,
                       progress=settings.progress, rows=None if spec is None else SpeculativeRows(spec),
                       poses=p if cfg.memory.select == "pose" else None,
-                      memory_select=settings.memory_select)  # (b, n_gen, C, H, W)
+                      memory_select=settings.memory_select,
+                      history_guidance=settings.history_guidance)  # (b, n_gen, C, H, W)
         if spec is not None:
             specs.append(spec)
             reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,

@@ -12,7 +12,7 @@ def test_presets_validate_and_round_trip(name):
 
 
 def test_overrides_are_typed():
-    cfg = apply_overrides(get_preset("tiny"), ["memory.length=16", "train.lr=1e-3", "train.bf16=false",
+    cfg = apply_overrides(get_preset("tiny_time"), ["memory.length=16", "train.lr=1e-3", "train.bf16=false",
                                                "memory.structure=cross_attention"])
     assert cfg.memory.length == 16 and cfg.train.lr == 1e-3 and cfg.train.bf16 is False
     assert cfg.memory.structure == "cross_attention"
@@ -26,7 +26,7 @@ def test_overrides_are_typed():
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        apply_overrides(get_preset("tiny"), [override])
+        apply_overrides(get_preset("tiny_time"), [override])
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -43,9 +43,9 @@ def test_bad_overrides_name_the_key(override, message):
 ])
 def test_out_of_range_values_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        apply_overrides(get_preset("tiny"), overrides).validate()
+        apply_overrides(get_preset("tiny_time"), overrides).validate()
 
 
 def test_a_token_narrower_than_its_patch_warns():
     with pytest.warns(UserWarning, match="smaller than the 192 values"):
-        apply_overrides(get_preset("tiny"), ["model.unet_channels=[]", "model.patch_size=8"]).validate()
+        apply_overrides(get_preset("tiny_time"), ["model.unet_channels=[]", "model.patch_size=8"]).validate()

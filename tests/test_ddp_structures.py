@@ -48,7 +48,7 @@ MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
     base, matrix, out = json.loads(os.environ["BASE"]), json.loads(os.environ["MATRIX"]), os.environ["OUT"]
     results = []
     for i, extra in enumerate(matrix):
-        cfg = apply_overrides(get_preset("tiny"), base + extra).validate()
+        cfg = apply_overrides(get_preset("tiny_time"), base + extra).validate()
         trainer = T.Trainer(cfg, os.path.join(out, f"run{i}"), dist_info=info)
         start = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         trainer.fit()
@@ -106,7 +106,7 @@ def test_every_structure_and_compressor_uses_all_its_parameters(tmp_path):
     """DDP runs with find_unused_parameters=False, which needs a gradient for every parameter."""
     video, actions = torch.rand(2, 6, 3, 16, 16) * 2 - 1, torch.randint(0, 6, (2, 6))
     for extra in MATRIX:
-        cfg = apply_overrides(get_preset("tiny"), base_config(tmp_path) + extra).validate()
+        cfg = apply_overrides(get_preset("tiny_time"), base_config(tmp_path) + extra).validate()
         from arvdm.model.denoiser import Denoiser
         from arvdm.model.diffusion import PerFrameDiffusion
 
@@ -120,7 +120,7 @@ def test_every_structure_and_compressor_uses_all_its_parameters(tmp_path):
 
 def test_a_parameter_without_gradient_is_named_on_the_first_step(tmp_path):
     data = write_data(tmp_path / "data")
-    cfg = apply_overrides(get_preset("tiny"), base_config(data)).validate()
+    cfg = apply_overrides(get_preset("tiny_time"), base_config(data)).validate()
     trainer = Trainer(cfg, tmp_path / "run", device="cpu")
     trainer.model.register_parameter("orphan", torch.nn.Parameter(torch.zeros(3)))
     from arvdm.training.loader import TrainingError

@@ -27,7 +27,7 @@ from arvdm.model.checkpoint import checkpoint_dir, latest_checkpoint
 def spec(tmp_path: Path, **parts) -> dict:
     """A grid spec on the tiny preset whose data path does not exist (so episode lengths come from
     data.generate_length)."""
-    base = {"preset": "tiny", "set": {"data.path": str(tmp_path / "no-data"), "train.max_steps": 5,
+    base = {"preset": "tiny_time", "set": {"data.path": str(tmp_path / "no-data"), "train.max_steps": 5,
                                       "data.generate_length": 160}}
     return {"name": "t", "base": base, "sample": {"steps": 4}, **parts}
 
@@ -351,7 +351,7 @@ def test_micro_grid_end_to_end(tmp_path):
             write_episode(data / split / f"ep{e:04d}.npz", rng.integers(0, 256, (t, 16, 16, 3), dtype=np.uint8),
                           rng.integers(0, 6, t).astype(np.int64), pose)
     s = {"name": "micro",
-         "base": {"preset": "tiny", "set": {
+         "base": {"preset": "tiny_time", "set": {
              "data.path": str(data), "model.image_size": 16, "data.resize": 0, "model.patch_size": 4, "model.dim": 32,
              "model.depth": 1, "model.heads": 2, "model.num_actions": 6, "train.window": 4,
              "train.batch_size": 2, "train.max_steps": 3, "train.warmup_steps": 1, "train.val_every": 3,

@@ -26,7 +26,7 @@ def make(*overrides, seed=0):
             "model.depth=2", "model.heads=2", f"model.num_actions={A}", f"diffusion.num_levels={K}",
             "memory.length=4", "memory.retention=all"]
     torch.manual_seed(seed)
-    model = Denoiser(apply_overrides(get_preset("tiny"), base + list(overrides))).eval()
+    model = Denoiser(apply_overrides(get_preset("tiny_time"), base + list(overrides))).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():

@@ -129,7 +129,7 @@ class _TensorOnlyModel(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.cfg = get_preset("tiny")
+        self.cfg = get_preset("tiny_time")
         self.cfg.memory.length = 4
         self.frames_per_chunk = 1
 
@@ -167,7 +167,7 @@ def test_rollout_makes_no_host_reads_per_call(monkeypatch, use_cache, schedule):
 
 
 def _tiny_model(structure):
-    cfg = apply_overrides(get_preset("tiny"), [
+    cfg = apply_overrides(get_preset("tiny_time"), [
         "model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
         "model.num_actions=4", "diffusion.num_levels=100", "memory.length=4", f"memory.structure={structure}"])
     torch.manual_seed(0)

@@ -345,7 +345,7 @@ def tiny_run(tmp_path_factory):
         for i in range(n):
             np.savez(root / "data" / split / f"ep_{i:06d}.npz",
                      video=rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8), actions=rng.integers(0, 6, 40))
-    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={root / 'data'}"]).validate()
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={root / 'data'}"]).validate()
     Trainer(cfg, root / "run").fit()
     return root
 
@@ -357,7 +357,7 @@ def test_fine_tune_mode_trains_streaming_layers_and_saves_them(tiny_run):
 
     (tiny_run / "ft").mkdir()
     (tiny_run / "ft" / H.RATIOS_NAME).write_text(json.dumps({"ratios": [0.3, 0.8]}))
-    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={tiny_run / 'data'}", "hybrid.fraction=0.5",
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={tiny_run / 'data'}", "hybrid.fraction=0.5",
                                                       "hybrid.select=offline"]).validate()
     trainer = Trainer(cfg, tiny_run / "ft")
     assert [b.temporal.streaming for b in trainer.model.blocks] == [None, (1, 2)]

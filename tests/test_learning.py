@@ -34,7 +34,7 @@ def toggle_clips(b: int, t: int, g: torch.Generator) -> tuple[torch.Tensor, torc
 
 @pytest.mark.slow
 def test_briefly_trained_model_beats_copy_last_and_context_mean():
-    cfg = apply_overrides(get_preset("tiny"), [
+    cfg = apply_overrides(get_preset("tiny_time"), [
         "model.image_size=16", "model.unet_channels=[8,16]", "model.patch_size=2", "model.dim=32",
         "model.depth=1", "model.heads=2", "model.num_actions=2", f"diffusion.num_levels={K}",
         "memory.length=2", "train.window=2"])

@@ -49,7 +49,7 @@ def run(tmp_path_factory) -> Path:
     """A one-step tiny run (checkpoint step_0000001) with its data beside it."""
     root = tmp_path_factory.mktemp("malformed")
     data = write_data(root / "data")
-    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={data}"]).validate()
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={data}"]).validate()
     Trainer(cfg, root / "run", device="cpu").fit()
     return root / "run"
 

@@ -20,7 +20,7 @@ def tiny_cfg(*overrides):
     base = ["model.image_size=16", "model.unet_channels=[8,16]", "model.patch_size=2", "model.dim=32", "model.depth=2",
             "model.heads=2",
             "model.num_actions=4", "diffusion.num_levels=100", "memory.length=4"]
-    return apply_overrides(get_preset("tiny"), base + list(overrides))
+    return apply_overrides(get_preset("tiny_time"), base + list(overrides))
 
 
 # -- retention ----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ def tiny_cfg(*overrides):
     base = ["model.image_size=16", "model.unet_channels=[8,16]", "model.patch_size=2", "model.dim=32",
             "model.depth=2", "model.heads=2",
             f"model.num_actions={A}", "diffusion.num_levels=100", "memory.length=4"]
-    return apply_overrides(get_preset("tiny"), base + list(overrides))
+    return apply_overrides(get_preset("tiny_time"), base + list(overrides))
 
 
 def make(*overrides, seed=0, perturb=True):

@@ -67,7 +67,7 @@ def test_sample_after_moving_the_whole_project(project, tmp_path, monkeypatch):
     shutil.move(project, moved)  # the absolute path is stale now; data/ is still beside runs/
     monkeypatch.chdir(tmp_path)
     run = moved / "runs/tiny"
-    assert resolve_data_path(apply_overrides(get_preset("tiny"), ["data.path=data"]), run) == moved / "data"
+    assert resolve_data_path(apply_overrides(get_preset("tiny_time"), ["data.path=data"]), run) == moved / "data"
     samples_ok(run, tmp_path / "o")
 
 
@@ -84,7 +84,7 @@ def test_missing_data_lists_the_paths_tried_and_suggests_data_flag(project, tmp_
 
 
 def test_candidates_order_and_no_duplicates(tmp_path):
-    cfg = apply_overrides(get_preset("tiny"), TINY + ["data.path=d", f"data.abs_path={tmp_path / 'abs'}"])
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + ["data.path=d", f"data.abs_path={tmp_path / 'abs'}"])
     run = tmp_path / "a/runs/r"
     found = data_path_candidates(cfg, run / "checkpoints/step_0000005")  # a checkpoint folder maps to its run
     assert found[:5] == [Path("d"), tmp_path / "abs", run / "d", tmp_path / "a/runs/d", tmp_path / "a/d"]

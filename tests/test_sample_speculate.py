@@ -25,7 +25,7 @@ def run(tmp_path_factory):
         for i in range(2):
             np.savez(root / "data" / split / f"ep_{i:06d}.npz", actions=rng.integers(0, 6, 24),
                      video=rng.integers(0, 256, (24, 16, 16, 3), dtype=np.uint8))
-    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={root / 'data'}"]).validate()
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={root / 'data'}"]).validate()
     Trainer(cfg, root / "run").fit()
     return root / "run"
 

@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     data = root / "data"
     _write_episodes(data, "training", 2)
     _write_episodes(data, "validation", 2, seed=1)
-    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={data}"]).validate()
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={data}"]).validate()
     Trainer(cfg, root / "run").fit()
     return root / "run", data
 
@@ -79,7 +79,7 @@ def test_cache_and_no_cache_agree_with_full_retention(tmp_path):
     data = tmp_path / "data"
     _write_episodes(data, "training", 1)
     _write_episodes(data, "validation", 1, seed=1)
-    cfg = apply_overrides(get_preset("tiny"), TINY + [f"data.path={data}", "memory.retention=all"]).validate()
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={data}", "memory.retention=all"]).validate()
     Trainer(cfg, tmp_path / "run").fit()
     outs = []
     for flag in ([], ["--no-cache"]):

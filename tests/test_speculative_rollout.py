@@ -112,7 +112,7 @@ def test_speculation_checks_its_arms():
 # -- the tiny Denoiser -------------------------------------------------------------------------------------
 
 def tiny(seed=0, scale=0.1):
-    cfg = apply_overrides(get_preset("tiny"), [
+    cfg = apply_overrides(get_preset("tiny_time"), [
         "model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=2", "model.heads=2",
         "model.num_actions=4", f"diffusion.num_levels={K}", "memory.length=4"])
     torch.manual_seed(0)

@@ -50,7 +50,7 @@ def write_episodes(root: Path, n_train=4, n_val=2, length=12, size=16, seed=0) -
 
 
 def tiny_cfg(data: Path, *extra: str):
-    return apply_overrides(get_preset("tiny"), TINY + [f"data.path={data}", *extra]).validate()
+    return apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={data}", *extra]).validate()
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_lr_warms_up_then_decays():
 
 # -- checkpoints ------------------------------------------------------------------------------------------
 def test_checkpoints_are_atomic_and_only_the_last_are_kept(tmp_path):
-    cfg = get_preset("tiny")
+    cfg = get_preset("tiny_time")
     model = torch.nn.Linear(3, 2)
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, model, cfg, ema=model, state={"step": step}, keep=2)
@@ -145,7 +145,7 @@ class Opaque:  # any class: torch.load(weights_only=True) refuses to rebuild it
 
 def test_training_state_must_load_with_weights_only(tmp_path):
     with pytest.raises(TypeError, match="weights_only"):
-        save_checkpoint(tmp_path, 1, torch.nn.Linear(2, 2), get_preset("tiny"), state={"x": Opaque()})
+        save_checkpoint(tmp_path, 1, torch.nn.Linear(2, 2), get_preset("tiny_time"), state={"x": Opaque()})
     assert latest_checkpoint(tmp_path) is None
 
 
@@ -265,6 +265,6 @@ def test_the_data_seed_is_not_the_training_seed(monkeypatch):
     monkeypatch.setattr(loader, "ensure_dataset", lambda root, env, n, length, policy, seed, **kw:
                         asked.append(seed) or root)
     for train_seed in (0, 1):
-        prepare_data(apply_overrides(get_preset("tiny"), [f"train.seed={train_seed}"]))
-    prepare_data(apply_overrides(get_preset("tiny"), ["data.generate_seed=7"]))
+        prepare_data(apply_overrides(get_preset("tiny_time"), [f"train.seed={train_seed}"]))
+    prepare_data(apply_overrides(get_preset("tiny_time"), ["data.generate_seed=7"]))
     assert asked == [0, 0, 7]
