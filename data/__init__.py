@@ -2,9 +2,11 @@
 
 Modules (import what you need; importing ``data`` itself loads nothing heavy):
 
-* ``data.episodes``  Episode, load_episode, write_episode, read_header, EpisodeError
+* ``data.episodes``  Episode, load_episode, write_episode, read_header, read_extra, read_turns, read_policy,
+  EpisodeError
 * ``data.dataset``   ClipDataset, resolve_split, DatasetError
 * ``data.generate``  ensure_dataset, generate, GenerateError; CLI ``python -m data.generate``
 * ``data.preview``   CLI ``python -m data.preview``
-* ``data.envs``, ``data.policies``  the environment wrappers and the random / revisit policies
+* ``data.envs``, ``data.policies``  the environment wrappers and the policies (random, revisit, look_around,
+  wander, mixed)
 """

@@ -364,6 +364,34 @@ def read_actions_pose(path) -> tuple[np.ndarray, np.ndarray | None]:
     return actions, pose
 
 
+def read_extra(path, key: str) -> np.ndarray | None:
+    """An extra array of an episode (e.g. the generators' ``revisits``, ``turns``, ``policy``), or None."""
+    path = Path(path)
+    side = _companion_npz(path) if path.suffix.lower() == ".mp4" else path
+    with _open_zip(side) as zf:
+        return _load_small(side, zf, key) if f"{key}.npy" in zf.namelist() else None
+
+
+def read_turns(path) -> np.ndarray:
+    """The [start, stop) frame ranges (J, 2) int64 of an episode's full turns on the spot (none: (0, 2))."""
+    turns = read_extra(path, "turns")
+    if turns is None:
+        return np.zeros((0, 2), dtype=np.int64)
+    if not np.issubdtype(turns.dtype, np.integer) or turns.ndim != 2 or turns.shape[1] != 2:
+        raise EpisodeError(path, f"'turns' has dtype {turns.dtype} shape {turns.shape}, expected int (J, 2)")
+    return turns.astype(np.int64)
+
+
+def read_policy(path) -> str | None:
+    """The name of the policy that generated an episode (its ``policy`` array), or None when not recorded."""
+    policy = read_extra(path, "policy")
+    if policy is None:
+        return None
+    if policy.dtype.kind != "U" or policy.size != 1:
+        raise EpisodeError(path, f"'policy' has dtype {policy.dtype} shape {policy.shape}, expected one string (1,)")
+    return str(policy.reshape(()))
+
+
 def load_episode(path) -> Episode:
     """Load a whole episode (npz, or mp4 + same-stem npz), fully checked; raises EpisodeError."""
     header = read_header(path)
@@ -394,7 +422,8 @@ def write_episode(path, video, actions, pose=None, *, extra: dict | None = None,
     or stored members — stored ones are read back with a single seek). Identical arrays give identical
     bytes. ``path`` ending in .mp4: Minecraft layout, an H.264 video (near-lossless, crf 12) plus ``NAME.npz`` with
     actions[, pose]; the npz is renamed into place first and the mp4 last, so the mp4 marks completion.
-    ``extra``: more named arrays stored in the npz (e.g. the generators' ``revisits``); loaders ignore them.
+    ``extra``: more named arrays stored in the npz (e.g. the generators' ``revisits``); loaders ignore them,
+    ``read_extra`` reads one back.
     """
     path = Path(path)
     video, actions, pose = _validate_for_write(path, video, actions, pose)

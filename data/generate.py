@@ -6,8 +6,10 @@
 writes ``OUT/training/ep_000000.npz ...`` and ``OUT/validation/ep_0000NN.npz ...`` (about 10% of the
 episodes, at least one whenever N >= 2) plus ``OUT/dataset.json`` describing how they were made.
 Each npz holds ``video`` uint8 (T, H, W, 3), ``actions`` int64 (T,) (``actions[t]`` led to frame t;
-``actions[0]`` = 0), ``pose`` float32 (T, 3) = (x, y, heading radians) and ``revisits`` int64 (K, 2),
-the (frame left, frame returned) pairs of the `revisit` policy's excursions (empty for `random`).
+``actions[0]`` = 0), ``pose`` float32 (T, 3) = (x, y, heading radians), ``revisits`` int64 (K, 2), the
+(frame left, frame returned) pairs of the scripted policies' excursions (empty for `random` and `wander`),
+``turns`` int64 (J, 2), the [start, stop) frame ranges of their full turns on the spot, and ``policy``, a
+(1,) string array naming the policy that made the episode (for `mixed`: the one drawn; data/policies.py).
 
 Episode i is a function of (seed, i) only — not of the worker count or of what ran before — so a
 re-run skips complete episodes, regenerates missing or damaged ones bit-for-bit, and the same seed
@@ -34,11 +36,12 @@ from .atomic import atomic_write
 from .envs import ENV_NAMES, MAX_FRAMES, make_env
 from .episodes import EpisodeError, read_header, write_episode
 from .errors import DataError
-from .policies import POLICIES, make_policy
+from .policies import ENV_POLICIES, POLICIES, choose_policy, make_policy
 
 MANIFEST = "dataset.json"
 FORMAT = "arvdm-episodes/1"
 SPLITS = ("training", "validation")
+EXTRA_KEYS = ("revisits", "turns", "policy")  # what generated episodes hold beyond video, actions, pose
 MAX_ATTEMPTS = 20  # crafter agents can die (lava, zombies); a dead episode is retried with a new sub-seed
 
 
@@ -63,6 +66,9 @@ class GenerateSpec:
             raise GenerateError(f"unknown environment {self.env!r}; choose one of {', '.join(ENV_NAMES)}")
         if self.policy not in POLICIES:
             raise GenerateError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.policy not in ENV_POLICIES[self.env]:
+            raise GenerateError(f"policy {self.policy!r} is not available for {self.env}; choose one of "
+                                f"{', '.join(ENV_POLICIES[self.env])}")
         if self.episodes < 1:
             raise GenerateError(f"--episodes must be >= 1, got {self.episodes}")
         if self.length < 2:
@@ -97,16 +103,24 @@ def _episode_seeds(seed: int, index: int, attempt: int) -> tuple[int, np.random.
     return int(env_ss.generate_state(1)[0] % (2**31 - 1)), np.random.default_rng(policy_ss)
 
 
+def _mixture_rng(seed: int, index: int) -> np.random.Generator:
+    """The stream that draws a `mixed` episode's policy: one per episode (not per attempt), and independent
+    of the environment and policy streams, so `revisit` and `random` episodes are the same with it or not."""
+    return np.random.default_rng(np.random.SeedSequence([seed, index, 0]).spawn(3)[2])
+
+
 def generate_episode(env, spec: GenerateSpec, index: int) -> dict[str, np.ndarray]:
-    """Run one episode of `spec.length` frames in `env`; returns video, actions, pose, revisits arrays.
+    """Run one episode of `spec.length` frames in `env`; returns video, actions, pose, revisits, turns and
+    policy arrays.
 
     If the agent dies before the end (possible in Crafter), the episode is re-run with the next attempt's
     seed, so the result stays a deterministic function of (seed, index).
     """
+    policy_name = choose_policy(spec.policy, env.name, _mixture_rng(spec.seed, index))
     for attempt in range(MAX_ATTEMPTS):
         env_seed, rng = _episode_seeds(spec.seed, index, attempt)
         frame, pose = env.reset(env_seed)
-        policy = make_policy(spec.policy, env, rng, spec.length)
+        policy = make_policy(policy_name, env, rng, spec.length)
         frames, poses, actions = [frame], [pose], [0]
         for _ in range(spec.length - 1):
             action = policy.act(pose)
@@ -117,17 +131,19 @@ def generate_episode(env, spec: GenerateSpec, index: int) -> dict[str, np.ndarra
             if done:
                 break
         if len(frames) == spec.length:
-            revisits = np.array(getattr(policy, "revisits", []), dtype=np.int64).reshape(-1, 2)
             return {"video": np.stack(frames), "actions": np.array(actions, dtype=np.int64),
-                    "pose": np.stack(poses).astype(np.float32), "revisits": revisits}
+                    "pose": np.stack(poses).astype(np.float32),
+                    "revisits": np.array(policy.revisits, dtype=np.int64).reshape(-1, 2),  # (K, 2)
+                    "turns": np.array(policy.turns, dtype=np.int64).reshape(-1, 2),  # (J, 2)
+                    "policy": np.array([policy_name])}  # (1,) str
     raise RuntimeError(f"episode {index}: the environment ended early in all {MAX_ATTEMPTS} attempts "
                        f"(length {spec.length} too long for {spec.env}?)")
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray], compress: bool = True) -> None:
-    # `revisits` rides along as an extra npz member; loaders ignore keys they do not know.
-    write_episode(path, arrays["video"], arrays["actions"], arrays["pose"], extra={"revisits": arrays["revisits"]},
-                  compress=compress)
+    # revisits, turns and policy ride along as extra npz members; loaders ignore keys they do not know.
+    extra = {key: arrays[key] for key in EXTRA_KEYS}
+    write_episode(path, arrays["video"], arrays["actions"], arrays["pose"], extra=extra, compress=compress)
 
 
 def _is_complete(path: Path, spec: GenerateSpec) -> bool:
@@ -316,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=64, help="frame height = width in pixels (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="data set seed (default 0)")
     parser.add_argument("--policy", choices=POLICIES, default="revisit",
-                        help="revisit: scripted out-and-back excursions (default); random: sticky random")
+                        help="revisit: scripted out-and-back excursions with full turns (default); random: "
+                             "sticky random; look_around: turn, out and back, turn (memory_maze); wander: "
+                             "random exploring agent (memory_maze); mixed: one drawn per episode")
     parser.add_argument("--workers", type=int, default=1, help="parallel processes (default 1)")
     parser.add_argument("--no-compress", dest="compress", action="store_false",
                         help="store npz members uncompressed: ~10-20x larger files, fastest clip reads")

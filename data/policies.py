@@ -1,4 +1,4 @@
-"""Behaviour policies for the generators: sticky random actions, and `revisit` trajectories.
+"""Behaviour policies for the generators: sticky random, `revisit`, `look_around`, `wander` and the `mixed` draw.
 
 A policy is driven one step at a time: ``action = policy.act(pose)``, with pose = (x, y, heading) of the
 frame just observed. The scripted policies are written as Python generators (``pose = yield action``)
@@ -10,11 +10,21 @@ then walks back through the recorded positions in reverse and finally turns to P
 frame at the return looks like the frame at departure. Gaps are drawn from 16..160 frames and clipped
 to what is left of the episode. Returns are closed-loop (steered by the observed pose), because
 Memory Maze's rolling-ball agent has momentum and an open-loop replay of the inverse actions drifts.
+In Memory Maze the agent also turns fully on the spot (360 degrees, left or right at random, ~20 steps)
+before leaving and again after coming back, and with probability `WAYPOINT_TURN_P` once at a cell on the
+way out: every view of the second turn was seen during the first, so one excursion yields ~20 revisit
+frames instead of one. `look_around` is the fixed evaluation episode (turn, ~24 steps out and back, turn,
+then stand still); `wander` explores as a random agent does (runs of forward into walls, turns on the spot,
+sticky random actions); `mixed` draws one of these per episode (`MIXTURES`).
+
+Every policy records ``revisits`` (frame left, frame returned) of its finished excursions and ``turns``
+[start, stop) frame ranges of its planned full turns (frame start and frame stop - 1 face the same way).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,7 +39,13 @@ from .envs import (
     MM_RIGHT,
 )
 
-POLICIES = ("random", "revisit")
+POLICIES = ("random", "revisit", "look_around", "wander", "mixed")
+#: The policies each environment offers (look_around and wander steer Memory Maze's rolling ball).
+ENV_POLICIES = {"memory_maze": POLICIES, "crafter": ("random", "revisit", "mixed")}
+#: `mixed`: the policy of each episode, drawn with these probabilities — the planner's revisits beside the
+#: behaviour of a random exploring agent (wall contact, turns on the spot, standing still).
+MIXTURES = {"memory_maze": (("revisit", 0.5), ("wander", 0.5)),
+            "crafter": (("revisit", 0.5), ("random", 0.5))}
 MIN_GAP, MAX_GAP = 16, 160
 
 
@@ -38,13 +54,41 @@ def _wrap(angle: float) -> float:
     return (angle + math.pi) % (2 * math.pi) - math.pi
 
 
+def check_policy(name: str, env_name: str) -> None:
+    """Raise ValueError naming the policy and the choices unless `env_name` offers policy `name`."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    offered = ENV_POLICIES.get(env_name, ())
+    if name not in offered:
+        raise ValueError(f"policy {name!r} is not available for {env_name!r}; choose one of {', '.join(offered)}")
+
+
+def choose_policy(name: str, env_name: str, rng: np.random.Generator) -> str:
+    """The concrete policy of one episode: `name` itself, or for 'mixed' one drawn from MIXTURES[env_name]."""
+    check_policy(name, env_name)
+    if name != "mixed":
+        return name
+    names, probs = zip(*MIXTURES[env_name])
+    return names[int(rng.choice(len(names), p=probs))]
+
+
+class Excursion(NamedTuple):
+    """One planned out-and-back trip of a revisit policy."""
+
+    out: int  # forward steps outward
+    turn_before: bool = False  # a full turn on the spot before leaving
+    turn_at_cell: int | None = None  # a full turn on reaching this cell of the way out (1 = the first)
+    turn_after: bool = False  # a full turn after coming back
+
+
 class _GeneratorPolicy:
     """Runs ``self._plan()``, a generator that receives poses and yields actions."""
 
     def __init__(self, env, rng: np.random.Generator, length: int):
         self.env, self.rng, self.length = env, rng, length
-        self.t = 0  # index of the frame whose pose `act` receives
+        self.t = 0  # index of the frame whose pose `act` receives (also inside `_plan`, holding that pose)
         self.revisits: list[tuple[int, int]] = []  # (frame left, frame returned) of finished excursions
+        self.turns: list[tuple[int, int]] = []  # [start, stop) frames of finished full turns on the spot
         self._gen = None
 
     def act(self, pose: np.ndarray) -> int:
@@ -75,45 +119,135 @@ class StickyRandomPolicy(_GeneratorPolicy):
             yield action
 
 
+class MemoryMazeWander(_GeneratorPolicy):
+    """A random exploring agent, as in DMLab data: runs of forward (pushing on when a wall stops it), turns on
+    the spot (a glance to more than a full turn), sticky random actions and short standstills."""
+
+    SEGMENTS = (("forward", 0.35), ("turn", 0.3), ("sticky", 0.3), ("still", 0.05))  # (kind, probability)
+    STICK = 0.75  # sticky segments repeat the last action with this probability
+
+    def _plan(self):
+        yield
+        kinds, probs = zip(*self.SEGMENTS)
+        while True:
+            kind = kinds[int(self.rng.choice(len(kinds), p=probs))]
+            if kind == "forward":  # 1-4 cells at full speed: corridors end in walls well within that
+                actions = [MM_FORWARD] * int(self.rng.integers(4, 17))
+            elif kind == "turn":  # 3..24 steps of ~18 degrees
+                actions = [MM_LEFT if self.rng.random() < 0.5 else MM_RIGHT] * int(self.rng.integers(3, 25))
+            elif kind == "still":
+                actions = [MM_NOOP] * int(self.rng.integers(1, 5))
+            else:
+                actions = self._sticky(int(self.rng.integers(4, 17)))
+            for action in actions:
+                yield action
+
+    def _sticky(self, n: int) -> list[int]:
+        action, actions = int(self.rng.integers(self.env.num_actions)), []
+        for _ in range(n):
+            if self.rng.random() > self.STICK:
+                action = int(self.rng.integers(self.env.num_actions))
+            actions.append(action)
+        return actions
+
+
 class _RevisitPolicy(_GeneratorPolicy):
     """Excursions out and back; subclasses say how to walk out (`_outward`), back (`_return`), what counts
-    as arrived (`_arrived`) and what to do when no excursion fits (`_filler`)."""
+    as arrived (`_arrived`), what to do when no excursion fits (`_filler`) and may plan full turns on the
+    spot (`_draw_excursion`, `_full_turn`)."""
 
     turn_cost = 0  # steps an excursion spends turning (round and back) beyond walking
     AWAY = 1.0  # cells an excursion must get from its start to count as a revisit
     MIN_OUT = 2  # outward steps of the shortest excursion
+    TURN_STEPS = 0  # most steps of a full turn on the spot (none in 2D worlds)
 
-    def _draw_outward_steps(self) -> int:
+    def _outward_steps(self, gap: int, spin_cost: int = 0) -> int:
+        """Outward steps for a trip of about `gap` frames, clipped so that walking out and back (2x, plus 10%
+        slack for corrections), `turn_cost` and `spin_cost` (full turns) fit in the rest of the episode."""
         remaining = self.length - 1 - self.t
-        gap = int(self.rng.integers(MIN_GAP, MAX_GAP + 1))
-        # Walking back takes about as long as walking out, plus turning; keep 10% slack for corrections.
-        room = int((remaining - self.turn_cost) / 2.2)
+        room = int((remaining - self.turn_cost - spin_cost) / 2.2)
         return min((gap - self.turn_cost) // 2, room)
+
+    def _draw_excursion(self) -> Excursion:
+        return Excursion(self._outward_steps(int(self.rng.integers(MIN_GAP, MAX_GAP + 1))))
 
     def _plan(self):
         pose = yield
         while True:
-            n_out = self._draw_outward_steps()
-            if n_out < self.MIN_OUT:  # too short an excursion (or too little episode left): filler step
+            trip = self._draw_excursion()
+            if trip.out < self.MIN_OUT:  # too short an excursion (or too little episode left): filler step
                 pose = yield self._filler(pose)
                 continue
             start, t_leave = pose.copy(), self.t
+            if trip.turn_before:
+                pose = yield from self._full_turn(pose)
             trail = [pose[:2].copy()]
-            pose = yield from self._outward(pose, n_out, trail)
+            pose = yield from self._outward(pose, trip.out, trail, trip.turn_at_cell,
+                                            reserve=self.TURN_STEPS * trip.turn_after)
             pose = yield from self._return(pose, trail, start)
             went = max(math.hypot(*(p - start[:2])) for p in trail)
             # record only excursions that left (>= AWAY cells) and really came back to the departure pose
             if went >= self.AWAY and self._arrived(pose, start):
                 self.revisits.append((t_leave, self.t))
+            if trip.turn_after:
+                pose = yield from self._full_turn(pose)
 
+    def _full_turn(self, pose, trail=None):
+        raise NotImplementedError
 
 class MemoryMazeRevisit(_RevisitPolicy):
-    """Steer the rolling ball cell to cell through the maze layout, then back along the recorded trail."""
+    """Steer the rolling ball cell to cell through the maze layout, then back along the recorded trail, with
+    full turns on the spot before leaving, after coming back and (sometimes) at a cell on the way out."""
 
     turn_cost = 28  # ~10 turn steps for 180 degrees, twice, plus braking and corners
     MIN_OUT = 5  # ~1 cell
     ARRIVE_TOL = 0.2  # cells (a cell is 2 m; full speed is ~0.25 cells per step)
     HEADING_TOL = 0.35  # radians; turns come in ~18 degree steps
+    TURN_STEPS = 22  # most steps of a full turn: 20 of ~18 degrees (the first is ~14), plus one spare
+    TURN_SLACK = 0.16  # radians: a turn ends once it has swept 360 degrees less half a step
+    RETURN_SETTLE = 14  # steps a return may spend at the end stopping and turning to the old heading
+    RETURN_RATIO = 1.8  # a way back takes up to this many times the way out (measured 1.2-2.1x, 24 steps out)
+    BRAKE_STEPS = 4  # no-ops to stop rolling before a turn on the way out (the ball stops within ~3)
+    WAYPOINT_TURN_P = 0.3  # probability that an excursion also turns fully at a cell on the way out
+
+    def _draw_excursion(self) -> Excursion:
+        """Gap, outward steps and turns of the next excursion; the turns' steps come out of the episode's
+        budget, not out of the gap. When the turns do not fit (short episodes) the trip goes without them."""
+        gap = int(self.rng.integers(MIN_GAP, MAX_GAP + 1))
+        waypoint_turn = self.rng.random() < self.WAYPOINT_TURN_P
+        # no turn before leaving when the last excursion just ended with one here: it would repeat its views
+        before = not (self.turns and self.turns[-1][1] == self.t + 1)
+        spins = (int(before) + 1) * self.TURN_STEPS + waypoint_turn * (self.TURN_STEPS + self.BRAKE_STEPS)
+        out = self._outward_steps(gap, spins)
+        if out < self.MIN_OUT:
+            return Excursion(self._outward_steps(gap))
+        # a cell within the first half of the way out (the ball crosses a cell in ~4-5 forward steps)
+        at_cell = 1 + int(self.rng.integers(max(1, out // 10))) if waypoint_turn else None
+        return Excursion(out, before, at_cell, True)
+
+    def _full_turn(self, pose, trail=None):
+        """Turn 360 degrees on the spot (left or right at random), recording its frames [start, stop)."""
+        action = MM_LEFT if self.rng.random() < 0.5 else MM_RIGHT
+        start, swept = self.t, 0.0
+        for _ in range(self.TURN_STEPS):
+            if abs(swept) >= 2 * math.pi - self.TURN_SLACK:
+                break
+            heading = pose[2]
+            pose = yield action
+            swept += _wrap(pose[2] - heading)
+            if trail is not None:
+                trail.append(pose[:2].copy())
+        self.turns.append((start, self.t + 1))
+        return pose
+
+    def _brake(self, pose, trail):
+        """No-ops until the ball stops rolling (at most BRAKE_STEPS)."""
+        for _ in range(self.BRAKE_STEPS):
+            prev, pose = pose, (yield MM_NOOP)
+            trail.append(pose[:2].copy())
+            if math.hypot(*(pose[:2] - prev[:2])) < 0.02:
+                break
+        return pose
 
     def _arrived(self, pose, start) -> bool:
         return (math.hypot(*(pose[:2] - start[:2])) < self.ARRIVE_TOL
@@ -161,16 +295,32 @@ class MemoryMazeRevisit(_RevisitPolicy):
                 return straight
         return forward[int(self.rng.integers(len(forward)))]
 
-    def _outward(self, pose, n_out, trail):
-        """Walk n_out forward steps (turning in place does not count, within 1.5 n_out + 12 steps)."""
+    def _outward(self, pose, n_out, trail, turn_at_cell=None, reserve=0):
+        """Walk n_out forward steps (turning in place does not count, within 1.5 n_out + 12 steps); on
+        reaching cell `turn_at_cell` of the way (1 = the first), brake and turn fully on the spot first.
+
+        Turns at corners make the walk slower than its budget assumed, so it also stops in time to come back
+        (RETURN_RATIO times as long, plus RETURN_SETTLE steps to stop and face the old way) and spend
+        `reserve` more steps before the episode ends.
+        """
+        room = self.length - 1 - self.t - self.RETURN_SETTLE - reserve
+        deadline = self.t + int(room / (1 + self.RETURN_RATIO))
         cell = (int(pose[0]), int(pose[1]))
         prev = None
         target = None
-        walked = 0
+        walked = reached = 0
         for _ in range(n_out + n_out // 2 + 12):
-            if walked >= n_out:
+            if walked >= n_out or self.t >= deadline:
                 break
             if target is None or math.hypot(*(target - pose[:2])) < 0.3:
+                if target is not None:
+                    reached += 1
+                    if reached == turn_at_cell:
+                        t_stop = self.t
+                        pose = yield from self._brake(pose, trail)
+                        pose = yield from self._full_turn(pose, trail)
+                        # the way back does not repeat the turn: only the walking needs a return's time
+                        deadline += int((self.t - t_stop) * self.RETURN_RATIO / (1 + self.RETURN_RATIO))
                 nxt = self._next_cell(cell, prev, pose[2])
                 if nxt is None:
                     break
@@ -219,6 +369,28 @@ class MemoryMazeRevisit(_RevisitPolicy):
         return pose
 
 
+class MemoryMazeLookAround(MemoryMazeRevisit):
+    """The look-around evaluation episode: a full turn on the spot, OUT_STEPS forward steps out along free
+    cells, back to the start (closed loop) facing the first heading, a full turn again, then standing still.
+    Every view of the second turn was seen during the first; `turns` holds the two turns' frame ranges (fewer
+    when the episode ends first)."""
+
+    OUT_STEPS = 24
+
+    def _plan(self):
+        pose = yield
+        start = pose.copy()
+        pose = yield from self._full_turn(pose)
+        trail = [pose[:2].copy()]
+        pose = yield from self._outward(pose, self.OUT_STEPS, trail, reserve=self.TURN_STEPS)
+        pose = yield from self._return(pose, trail, start)
+        if self._arrived(pose, start):
+            self.revisits.append((0, self.t))
+        pose = yield from self._full_turn(pose)
+        while True:
+            yield MM_NOOP
+
+
 class CrafterRevisit(_RevisitPolicy):
     """Random walk over safe cells (never lava), then step back through the same cells in reverse."""
 
@@ -231,7 +403,8 @@ class CrafterRevisit(_RevisitPolicy):
     def _arrived(self, pose, start) -> bool:
         return bool(np.array_equal(pose[:2], start[:2]))
 
-    def _outward(self, pose, n_out, trail):
+    def _outward(self, pose, n_out, trail, turn_at_cell=None, reserve=0):
+        del turn_at_cell, reserve  # a 2D top-down view: turning on the spot shows nothing new
         heading = None
         for _ in range(n_out):
             cell = pose[:2].astype(int)
@@ -268,10 +441,14 @@ class CrafterRevisit(_RevisitPolicy):
         return pose
 
 
+_CLASSES = {("memory_maze", "random"): StickyRandomPolicy, ("crafter", "random"): StickyRandomPolicy,
+            ("memory_maze", "revisit"): MemoryMazeRevisit, ("crafter", "revisit"): CrafterRevisit,
+            ("memory_maze", "look_around"): MemoryMazeLookAround, ("memory_maze", "wander"): MemoryMazeWander}
+
+
 def make_policy(name: str, env, rng: np.random.Generator, length: int):
-    """The named policy ('random' or 'revisit') for `env`, planning for an episode of `length` frames."""
-    if name == "random":
-        return StickyRandomPolicy(env, rng, length)
-    if name == "revisit":
-        return {"memory_maze": MemoryMazeRevisit, "crafter": CrafterRevisit}[env.name](env, rng, length)
-    raise ValueError(f"unknown policy {name!r}; choose one of {POLICIES}")
+    """The named policy for `env`, planning for an episode of `length` frames ('mixed': `choose_policy` first)."""
+    check_policy(name, env.name)
+    if name == "mixed":
+        raise ValueError("policy 'mixed' draws a policy per episode: pass the one choose_policy() drew")
+    return _CLASSES[(env.name, name)](env, rng, length)
