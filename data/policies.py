@@ -193,7 +193,9 @@ class _RevisitPolicy(_GeneratorPolicy):
                 pose = yield from self._full_turn(pose)
 
     def _full_turn(self, pose, trail=None):
+        """A full turn on the spot (a generator, like `_outward`); only policies that plan turns have one."""
         raise NotImplementedError
+
 
 class MemoryMazeRevisit(_RevisitPolicy):
     """Steer the rolling ball cell to cell through the maze layout, then back along the recorded trail, with
