@@ -27,7 +27,7 @@ from arvdm.model.denoiser import Denoiser
 
 
 def build(args, *overrides) -> Denoiser:
-    cfg = apply_overrides(get_preset("tiny"), [
+    cfg = apply_overrides(get_preset("tiny_time"), [
         f"model.image_size={args.image}", f"model.patch_size={args.patch}", f"model.dim={args.dim}",
         f"model.depth={args.depth}", f"model.heads={args.heads}", f"model.temporal_attention={args.form}",
         "model.num_actions=6", *overrides])

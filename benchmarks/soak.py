@@ -60,7 +60,7 @@ def build_model(args) -> Denoiser:
                              f"compressor={cfg.memory.compressor}; the KV-cache soak needs raw prepend memory")
         model.cfg = apply_overrides(cfg, retention).validate()
         return model.eval()
-    cfg = apply_overrides(get_preset("tiny"), [f"model.image_size={args.image}", "model.num_actions=6",
+    cfg = apply_overrides(get_preset("tiny_time"), [f"model.image_size={args.image}", "model.num_actions=6",
                                                "memory.structure=prepend", *retention]).validate()
     torch.manual_seed(0)
     return Denoiser(cfg).eval()
