@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sample.py: {result['summary']['verdict']}", file=sys.stderr)
     if "revisits" in result["summary"]:  # memory on the frames only memory can supply, in words
         print(f"sample.py: {result['summary']['revisits']['message']}", file=sys.stderr)
+    if "hold_up" in result["summary"]:
+        horizon = result["summary"]["hold_up"]["hold_up_horizon"]  # the first span below the context-mean baseline
+        print("sample.py: hold-up horizon: " + (f"the model falls below context-mean in frames {horizon['label']} "
+              f"({horizon['model']:.2f} vs {horizon['baseline']:.2f} dB)" if horizon else
+              "the model stays at or above context-mean over every span"), file=sys.stderr)
     return 0
 
 

@@ -39,6 +39,7 @@ from arvdm.config import FROZEN_DRAFT as FROZEN
 from arvdm.config import Config, SampleSettings, SamplingError, parse_device
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
+from arvdm.evaluation.holdup import hold_up
 from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame, write_metrics_csv
 from arvdm.evaluation.revisit_score import revisit_score
 from arvdm.hybrid.convert import HybridModel, wrap_for_sampling
@@ -105,6 +106,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
                        verdict=cmp["verdict"]["message"])
     if context >= 1:  # the frames only memory can supply (recent = the memory length: beyond any time window)
         summary["revisits"] = revisit_score(gen, real, context, recent=max(cfg.memory.length, 1), poses=poses)
+        summary["hold_up"] = hold_up(gen, real, context)  # first span below context-mean; gradient ratio by span
         summary["memory_select"] = settings.memory_select or ("pose" if cfg.memory.select == "pose" else "time")
     if hybrid is not None:
         summary["hybrid"] = hybrid.summary()
@@ -114,8 +116,9 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
                                   for rep in reports]
     if settings.evaluate:
         result = evaluate_rollout(fake, real, poses, context, window_reach=cfg.train.window, baselines=cmp)
-        if "revisits" in summary:
-            result["revisits"] = summary["revisits"]
+        for key in ("revisits", "hold_up"):
+            if key in summary:
+                result[key] = summary[key]
         paths["eval"] = write_eval_json(out / "eval.json", result, extra={
             "run": str(run_dir), "settings": asdict(settings), "schedule": schedule.to_dict(),
             "config": cfg.to_dict(), **({"hybrid": summary["hybrid"]} if "hybrid" in summary else {})})
