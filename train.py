@@ -1,6 +1,6 @@
 """Train an auto-regressive video diffusion model (diffusion forcing, with memory).
 
-One CPU (the `tiny` preset; generates a small Memory Maze data set first if datasets/memory_maze_32 is absent):
+One CPU (the `tiny` preset; generates a small Memory Maze data set first if datasets/memory_maze_32_mixed is absent):
     python train.py
 One GPU:
     python train.py --preset paper --data datasets/memory_maze --out runs/paper
@@ -35,7 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.split("\n")[1:]))
-    p.add_argument("--preset", default="tiny", help="tiny (CPU, minutes) or paper (GPU); default tiny")
+    p.add_argument("--preset", default="tiny",
+                   help="tiny (CPU, minutes; memory chosen by pose), tiny_time (the same, time-based memory) or paper "
+                        "(GPU); default tiny")
     p.add_argument("--data", help="TECO-layout folder with training/ and validation/ (default: the stand-in "
                                   "for --env, generated when absent)")
     p.add_argument("--env", choices=sorted(ENV_ACTIONS), help="stand-in environment to generate data from "

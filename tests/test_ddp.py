@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_training import TINY, write_episodes
+from test_training import POSE, TINY, write_episodes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,20 +60,22 @@ LAUNCHER = RECORD_WRITES + textwrap.dedent("""
 
 
 @pytest.mark.slow  # two processes importing torch and training: ~35 s on a 2-core CPU
-@pytest.mark.parametrize("grad_accum", [1, 2])  # 2: DDP's no_sync on the first micro-batch, one all-reduce
-def test_torchrun_two_cpu_ranks(tmp_path, grad_accum):
-    data = write_episodes(tmp_path / "data", n_train=6)
+@pytest.mark.parametrize("grad_accum,memory", [(1, "time"), (2, "time"), (1, "pose")])  # 2: DDP's no_sync on
+def test_torchrun_two_cpu_ranks(tmp_path, grad_accum, memory):  # the first micro-batch, one all-reduce
+    data = write_episodes(tmp_path / "data", n_train=6, poses=memory == "pose")
     (tmp_path / "writes").mkdir()
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
-    overrides = [a for o in TINY + ["train.max_steps=4", "train.ckpt_every=2", "train.val_every=2",
+    extra = POSE if memory == "pose" else []
+    overrides = [a for o in TINY + extra + ["train.max_steps=4", "train.ckpt_every=2", "train.val_every=2",
                                     "train.val_batches=2", "train.sample_every=4", f"train.grad_accum={grad_accum}"]
                  for a in ("--set", o)]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", REPO=str(REPO),
                WRITES_DIR=str(tmp_path / "writes"), FINAL_DIR=str(tmp_path / "final"),
                OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(launcher), "--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu", *overrides]
+           str(launcher), "--preset", "tiny" if memory == "pose" else "tiny_time", "--data", str(data), "--out",
+           str(tmp_path / "run"), "--device", "cpu", *overrides]
     proc = subprocess.run(cmd, check=False, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

@@ -37,16 +37,21 @@ TINY = ["model.image_size=16", "data.resize=0", "model.patch_size=4", "model.dim
         "train.sample_every=0", "train.ckpt_every=3", "train.max_steps=6", "diffusion.num_levels=100"]
 
 
-def write_episodes(root: Path, n_train=4, n_val=2, length=12, size=16, seed=0) -> Path:
-    """A TECO-layout folder of random episodes (video uint8 (T,H,W,3), actions (T,))."""
+def write_episodes(root: Path, n_train=4, n_val=2, length=12, size=16, seed=0, poses=False) -> Path:
+    """A TECO-layout folder of random episodes (video uint8 (T,H,W,3), actions (T,)[, a random-walk pose (T,3)])."""
     rng = np.random.default_rng(seed)
     for split, n in (("training", n_train), ("validation", n_val)):
         (root / split).mkdir(parents=True, exist_ok=True)
         for e in range(n):
+            pose = rng.normal(0, 0.3, (length, 3)).cumsum(0).astype(np.float32) if poses else None
             write_episode(root / split / f"ep{e:04d}.npz",
                           rng.integers(0, 256, (length, size, size, 3), dtype=np.uint8),
-                          rng.integers(0, 6, length).astype(np.int64))
+                          rng.integers(0, 6, length).astype(np.int64), pose)
     return root
+
+
+# memory chosen by pose (the `tiny` preset's kind): 1 frame chosen by pose + 2 recent (episodes need poses)
+POSE = ["memory.select=pose", "memory.length=3", "memory.pose_frames=1"]
 
 
 def tiny_cfg(data: Path, *extra: str):
@@ -76,12 +81,15 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 # -- exact resume ---------------------------------------------------------------------------------------
-def test_killed_run_resumes_to_bit_identical_weights(tmp_path, data, deterministic):
-    Trainer(tiny_cfg(data), tmp_path / "unbroken", device="cpu").fit()
+@pytest.mark.parametrize("memory", ["time", "pose"])
+def test_killed_run_resumes_to_bit_identical_weights(tmp_path, deterministic, memory):
+    data = write_episodes(tmp_path / "data", poses=memory == "pose")
+    extra = POSE if memory == "pose" else []
+    Trainer(tiny_cfg(data, *extra), tmp_path / "unbroken", device="cpu").fit()
 
-    Trainer(tiny_cfg(data), tmp_path / "killed", device="cpu").fit(stop_at=3)  # "killed" after step 3's checkpoint
+    Trainer(tiny_cfg(data, *extra), tmp_path / "killed", device="cpu").fit(stop_at=3)  # "killed" after step 3
     assert [p.name for p in list_checkpoints(tmp_path / "killed")] == ["step_0000003"]
-    resumed = Trainer(tiny_cfg(data), tmp_path / "killed", resume=True, device="cpu")
+    resumed = Trainer(tiny_cfg(data, *extra), tmp_path / "killed", resume=True, device="cpu")
     assert resumed.step == 3
     resumed.fit()
 
@@ -201,7 +209,8 @@ def test_cli_user_errors_exit_nonzero_with_one_line(tmp_path, data, capsys):
         (["--data", str(data), "--preset", "huge"], "unknown preset"),
         (["--data", str(data), "--resume"], "no complete checkpoint"),
         # tiny's model is 32x32 (no resize asked here), the files 16x16 (and 12 frames long, hence shorter clips)
-        (["--data", str(data), "--set", "data.resize=0", "--set", "memory.length=2", "--set", "train.window=4"],
+        (["--data", str(data), "--preset", "tiny_time", "--set", "data.resize=0", "--set", "memory.length=2",
+          "--set", "train.window=4"],
          "data at another resolution"),
     ]
     for argv, message in cases:
