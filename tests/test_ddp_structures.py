@@ -162,7 +162,7 @@ def test_a_dead_or_frozen_rank_makes_the_other_exit_with_a_message(tmp_path, how
     script = tmp_path / "dying.py"
     script.write_text(DYING_WORKER)
     overrides = base_config(data) + ["train.max_steps=50", "train.ckpt_every=2", "train.dist_timeout_s=5"]
-    args = ["--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu",
+    args = ["--preset", "tiny_time", "--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu",
             *[a for o in overrides for a in ("--set", o)]]
     procs = launch(script, args, {"DIE_RANK": "1", "DIE_AT": "3", "DIE_SIGNAL": how})
     try:

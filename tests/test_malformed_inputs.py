@@ -82,7 +82,7 @@ def sample_fails(capsys, run: Path, tmp_path: Path, flags: list, *needles: str) 
 
 
 def train_fails(capsys, argv: list, *needles: str, out: Path | None = None) -> None:
-    fails(capsys, train.main, [*argv, "--device", "cpu", *TINY_FLAGS], *needles)
+    fails(capsys, train.main, ["--preset", "tiny_time", *argv, "--device", "cpu", *TINY_FLAGS], *needles)  # no poses
     if out is not None:
         assert not (out / "checkpoints").exists() and not (out / "log.csv").exists(), "train.py wrote into --out"
 
