@@ -25,14 +25,14 @@ def _clips(trainer, n):
 
 
 def _per_clip_loss(model, diffusion, video, actions, memory_length, num_levels, generator, autocast,
-                   weight="uniform", gamma=5.0):
+                   weight="uniform", gamma=5.0, **levers):
     """The real loss, applied clip by clip with noise seeded by the clip's content, so a clip draws the same
     levels and noise whichever micro-batch it lands in (the real one draws from one stream per batch)."""
     totals, counts = [], []
     for i in range(video.shape[0]):
         g = torch.Generator().manual_seed(int(actions[i].sum()) * 1000 + int(video[i, 0, 0, 0, 0] * 1000))
         t, c = real_loss(model, diffusion, video[i:i + 1], actions[i:i + 1], memory_length, num_levels, g,
-                         autocast, weight, gamma)
+                         autocast, weight, gamma, **levers)
         totals.append(t)
         counts.append(c)
     return torch.stack(totals).sum(), torch.stack(counts).sum()
