@@ -22,19 +22,18 @@ resumable sampler restarts the stream exactly.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, pose_match_matrix
 from data.dataset import ClipDataset, DatasetError
 from memory.select import select_by_pose
 
 __all__ = ["PoseMemoryClips"]
 
-MATCH_POSITION = 0.5  # cells: an earlier frame this close ...
-MATCH_HEADING = math.radians(20.0)  # ... and this close in heading shows (nearly) the same view
+# an earlier frame this close in position (cells) and heading shows (nearly) the same view: the revisit rule
+MATCH_POSITION, MATCH_HEADING = DEFAULT_POS_TOL, DEFAULT_HEADING_TOL
 DISTRACTOR_SHARE = 0.25  # clips with one chosen slot replaced by a random older frame
 
 
@@ -78,9 +77,7 @@ class PoseMemoryClips(Dataset):
             if length < self.k + n:
                 continue
             pose = torch.from_numpy(np.asarray(self.clips.track(e)[1], dtype=np.float32))  # (T, 3)
-            near = torch.cdist(pose[:, :2], pose[:, :2]) <= MATCH_POSITION  # (T, T)
-            turn = (pose[:, None, 2] - pose[None, :, 2] + math.pi).remainder(2 * math.pi) - math.pi  # (T, T)
-            match = (near & (turn.abs() <= MATCH_HEADING)).numpy()  # (T, T): frame i shows about what j shows
+            match = pose_match_matrix(pose, MATCH_POSITION, MATCH_HEADING).numpy()  # (T, T): i shows what j shows
             seen = np.concatenate([np.zeros((length, 1), np.int64), match.cumsum(axis=1)], axis=1)  # (T, T+1)
             rows = np.arange(length)
             for s in range(self.k, length - n + 1):
