@@ -73,9 +73,16 @@ class DiffusionConfig:
     # DDIM eta when sampling (sample.py --eta, the training sample videos): 0 = DDIM (deterministic),
     # 1 = DDPM-like (fresh noise at every step); the default is the one benchmarks/RESULTS.md compares against
     eta: float = 1.0
+    # k_ctx when sampling (sample.py --context-level): the noise level finished frames sit at in memory
+    # (Diffusion Forcing / GameNGen: a model trained with train.context_noise_max > 0 conditions on generated
+    # frames as if slightly noisy); 0 = clean, the Meta-ARVDM schedules as written. Schedule files keep their own.
+    context_level: int = 0
 
     def validate(self) -> None:
         _check(self.num_levels >= 2, "diffusion.num_levels", self.num_levels, "must be >= 2")
+        _check(isinstance(self.context_level, int) and not isinstance(self.context_level, bool)
+               and 0 <= self.context_level < self.num_levels, "diffusion.context_level", self.context_level,
+               f"must be an integer in 0..{self.num_levels - 1} (a noise level below pure noise)")
         _check(self.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"),
                "diffusion.beta_schedule", self.beta_schedule,
                "must be one of linear, scaled_linear, squaredcos_cap_v2, sigmoid")
@@ -375,7 +382,8 @@ class SampleSettings:
     progress: bool = True
     hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
     compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
-    context_level: int | None = None  # k_ctx: finished frames sit at this level in memory; None = the schedule's
+    context_level: int | None = None  # k_ctx: finished frames sit at this level in memory; None = the run's
+    # diffusion.context_level for a preset schedule, a schedule file's own level for a file
     history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
 
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
@@ -411,8 +419,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The README's main job on a laptop CPU (data, training and a rollout; timings in benchmarks/RESULTS.md):
     # Memory Maze at 32x32 from 48 generated mazes, a small conv U-Net (32 channels at 32 px, 64 at 16 px)
     # around 2 transformer blocks on 8x8 tokens, where the temporal attention, the memory and the KV caches
-    # live; 4 memory + 4 window frames; lr 2e-3 with min-SNR-5 loss weighting (each setting's effect is
-    # measured in benchmarks/RESULTS.md).
+    # live; 6 memory frames (4 chosen by camera pose, 2 recent) + 4 window frames; lr 2e-3 with min-SNR-5 loss
+    # weighting (each setting's effect is measured in benchmarks/RESULTS.md).
     "tiny": {
         "model.image_size": 32, "model.unet_channels": [32, 64], "model.patch_size": 2, "model.dim": 128,
         "model.depth": 2, "model.heads": 4,
@@ -421,11 +429,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data.generate_episodes": 48, "data.generate_policy": "mixed",
         "train.window": 4, "train.batch_size": 8, "train.lr": 2e-3, "train.warmup_steps": 100,
         "train.ema_decay": 0.995,
-        "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500,
+        # 1,100 steps keep the main job within 20 min from a fresh clone on a 2-core CPU (1,500 took 24 min)
+        "train.max_steps": 1100, "train.val_every": 550, "train.ckpt_every": 550, "train.sample_every": 1100,
+        # the issue-21 levers (benchmarks/RESULTS.md): context frames noised up to level 100 in training, generated
+        # frames committed at level 20 when sampling; memory dropped in 10% of the steps (history guidance)
+        "train.context_noise_max": 100, "diffusion.context_level": 20, "train.memory_dropout": 0.1,
     },
     # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
     # the baseline a pose-aware run is compared with, and the preset tests of time-based machinery build on.
-    "tiny_time": {"memory.length": 4, "memory.select": "time", "memory.pose_frames": 0},
+    # Without the levers and with the old step count: exactly the time-based main job the earlier measurements used.
+    "tiny_time": {"memory.length": 4, "memory.select": "time", "memory.pose_frames": 0,
+                  "train.context_noise_max": 0, "diffusion.context_level": 0, "train.memory_dropout": 0.0,
+                  "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500},
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {
         "model.patch_size": 4, "model.dim": 512, "model.depth": 12, "model.heads": 8,

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from arvdm.config import FROZEN_DRAFT as FROZEN
-from arvdm.config import Config, SampleSettings, SamplingError, parse_device
+from arvdm.config import SCHEDULE_PRESETS, Config, SampleSettings, SamplingError, parse_device
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
 from arvdm.evaluation.holdup import hold_up
@@ -83,6 +83,9 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     if settings.compile:
         model = compile_for_sampling(model)
+    if settings.context_level is None and str(settings.schedule) in SCHEDULE_PRESETS and not settings.speculate:
+        # the run's own k_ctx, recorded as used (speculative rows support k_ctx = 0 only: they keep the schedule's)
+        settings = dataclasses.replace(settings, context_level=cfg.diffusion.context_level)
     if settings.context_level is not None:
         check_context_level(settings.context_level, cfg.diffusion.num_levels, "--context-level")
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps,

@@ -265,6 +265,8 @@ def test_context_noise_off_draws_nothing_extra():
     ("train.context_noise_max", -1, "train.context_noise_max=-1"),
     ("train.memory_dropout", 1.0, r"train.memory_dropout=1.0 must be in \[0, 1\)"),
     ("train.memory_dropout", -0.1, "train.memory_dropout=-0.1"),
+    ("diffusion.context_level", K, "diffusion.context_level=100 must be an integer in 0..99"),
+    ("diffusion.context_level", -1, "diffusion.context_level=-1"),
 ])
 def test_bad_lever_config_is_refused_naming_the_key(key, value, match):
     cfg = apply_overrides(tiny_cfg(), [f"{key}={value}"])

@@ -112,7 +112,8 @@ def test_config_checks_pose_memory():
 
 def _model(**over):
     cfg = apply_overrides(get_preset("tiny"), ["model.unet_channels=[8,16]", "model.dim=32", "model.depth=1",
-                                               f"diffusion.num_levels={K}", *[f"{k}={v}" for k, v in over.items()]])
+                                               f"diffusion.num_levels={K}", "diffusion.context_level=0",
+                                               "train.context_noise_max=0", *[f"{k}={v}" for k, v in over.items()]])
     torch.manual_seed(0)
     model = Denoiser(cfg).eval()
     with torch.no_grad():  # every parameter random: a fresh model's zero-initialised output layers predict v = 0

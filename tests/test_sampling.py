@@ -124,3 +124,26 @@ def test_split_training_rolls_out_the_training_episodes(run, tmp_path):
                         "--steps", "2", "--split", "training", "--out", str(out)]) == 0
     real = np.load(out / "rollout.npz")["real"]
     np.testing.assert_array_equal(real[0], np.load(data / "training" / "ep_000000.npz")["video"][:8])
+
+
+def test_the_runs_own_context_level_is_the_default_and_recorded(run, tmp_path):
+    """A run whose config says diffusion.context_level=7 samples as `--context-level 7` does (same frames), records
+    7 in eval.json, and differs from `--context-level 0`: the default comes from the run, not from the schedule."""
+    import shutil
+    run_dir, _ = run
+    own = tmp_path / "own"
+    shutil.copytree(run_dir, own)
+    for path in own.rglob("config.json"):
+        cfg = json.loads(path.read_text())
+        cfg["diffusion"]["context_level"] = 7
+        path.write_text(json.dumps(cfg))
+    flags = ["--frames", "8", "--context", "4", "--episodes", "2", "--steps", "3", "--eval"]
+
+    def fake(run_path, out, *extra):
+        assert sample.main(["--run", str(run_path), *flags, "--out", str(tmp_path / out), *extra]) == 0
+        return np.load(tmp_path / out / "rollout.npz")["fake"]
+
+    by_default = fake(own, "default")
+    np.testing.assert_array_equal(by_default, fake(run_dir, "explicit", "--context-level", "7"))
+    assert not np.array_equal(by_default, fake(own, "clean", "--context-level", "0"))
+    assert json.loads((tmp_path / "default" / "eval.json").read_text())["settings"]["context_level"] == 7

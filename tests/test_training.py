@@ -50,8 +50,10 @@ def write_episodes(root: Path, n_train=4, n_val=2, length=12, size=16, seed=0, p
     return root
 
 
-# memory chosen by pose (the `tiny` preset's kind): 1 frame chosen by pose + 2 recent (episodes need poses)
-POSE = ["memory.select=pose", "memory.length=3", "memory.pose_frames=1"]
+# memory chosen by pose (the `tiny` preset's kind): 1 frame chosen by pose + 2 recent (episodes need poses), with
+# the tiny preset's issue-21 levers scaled to num_levels=100 (noisy context, memory dropout)
+POSE = ["memory.select=pose", "memory.length=3", "memory.pose_frames=1", "train.context_noise_max=50",
+        "diffusion.context_level=10", "train.memory_dropout=0.1"]
 
 
 def tiny_cfg(data: Path, *extra: str):

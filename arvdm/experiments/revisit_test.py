@@ -88,7 +88,8 @@ def look_around_test(run: str, data: str, episodes: int = 24, steps: int = 20, s
         raise SamplingError(f"{run}: trained with memory.select={cfg.memory.select}; the revisit test compares memory "
                             f"choices of a pose-aware run (memory.select=pose)")
     diffusion = PerFrameDiffusion(cfg.diffusion)
-    schedule = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, steps)
+    schedule = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, steps,
+                            context_level=cfg.diffusion.context_level)  # the run's own k_ctx
     eps = _episodes(Path(data), episodes, cfg.model.image_size)
     per = {k: [] for k in (*MODES, "copy_last", "oracle")}
     for i in tqdm(range(0, len(eps), 2), desc="look-around pairs", unit="pair"):

@@ -65,7 +65,8 @@ class SampleVideo:
         ctx, w = self.context, self.cfg.train.window
         picks = [round(i * len(ds) / SAMPLE_CLIPS) for i in range(min(SAMPLE_CLIPS, len(ds)))]
         video, actions = to_device(collate([ds[i] for i in picks]), self.device)  # (B, ctx+n_gen, C, H, W)
-        schedule = get_schedule("chunked", w, self.cfg.diffusion.num_levels, SAMPLE_STEPS)
+        schedule = get_schedule("chunked", w, self.cfg.diffusion.num_levels, SAMPLE_STEPS,
+                                context_level=self.cfg.diffusion.context_level)
         g = torch.Generator(device=self.device).manual_seed(mix_seed(self.cfg.train.seed, "sample"))
         items = [ds[i] for i in picks]
         poses = torch.stack([it["pose"] for it in items]).to(self.device) if "pose" in items[0] else None
