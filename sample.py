@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eta", type=float, default=None,
                    help="0 = DDIM, 1 = DDPM-like (default: the run's diffusion.eta, 1 for the presets)")
     p.add_argument("--context-level", type=int, default=None, metavar="K",
-                   help="finished frames sit at this noise level in memory (noisy context; default: the schedule's, 0)")
+                   help="finished frames sit at this noise level in memory (noisy context; default: the run's "
+                        "diffusion.context_level for a preset schedule, 20 for tiny; a schedule file's own)")
     p.add_argument("--history-guidance", type=float, default=0.0, metavar="W",
                    help="v = v_mem + W (v_mem - v_nomem) (history guidance, DFoT); 0 = off, one model call per row")
     p.add_argument("--seed", type=int, default=0)
