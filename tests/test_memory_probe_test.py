@@ -73,7 +73,7 @@ def setup(tmp_path_factory):
 def test_probe_sets_are_the_known_revisits_and_stride_keeps_every_event(setup):
     _, _, eps, *_ = setup
     sets = mpt.find_probe_sets(eps, RECENT)
-    for name in ("pixel", "pose"):
+    for name in ("pixel", "pixel_at_pose", "pose"):
         assert [(p.e, p.t) for p in sets[name]] == [(e, t) for e in range(3) for t in REVISITS]
         assert len({p.event for p in sets[name]}) == 3 * len(REVISITS)  # isolated frames: one event each
     assert [p.t for p in sets["second_turn"] if p.e == 1] == list(range(18, LENGTH))

@@ -7,7 +7,7 @@ Here every generated window's past is the **ground truth** (teacher forcing), so
 difference between memory modes is memory alone. For each probe frame t of an episode, the window starting at t
 is generated from the ground-truth frames before it (the chunked schedule, ``--steps`` calls from K to 0, the
 run's eta) with the same weights and the **same noise** (one generator per probe, seeded by (seed, episode, t),
-drawn once and reused by every mode), memory chosen:
+drawn in a batch-1 rollout's order, once, and reused by every mode), memory chosen:
 
     pose   the run's own choice: remembered frames nearest in pose to the window (memory.select=pose)
     time   the frames just before the recent ones
@@ -20,17 +20,21 @@ and frame t is scored against the ground truth (PSNR capped at PSNR_CAP, SSIM). 
 
 Probe sets (a probe frame belongs to one or more; each set is reported on its own):
 
-    pixel        ``arvdm.evaluation.probes.memory_probes``: an earlier frame beyond the last memory.length frames
-                 matches at >= 25 dB, none of those recent frames does (the definition sample.py reports)
-    pose         the same by pose (position and heading within the revisit tolerances)
-    second_turn  look-around episodes only: every frame of the second full turn (one event per episode)
+    pixel          ``arvdm.evaluation.probes.memory_probes``: an earlier frame beyond the last memory.length frames
+                   matches at >= 25 dB, none of those recent frames does (the definition sample.py reports)
+    pixel_at_pose  the pixel probes whose matching earlier frame is at t's pose (a true revisit, not a look-alike)
+    pose           the pixel definition by pose (position and heading within the revisit tolerances)
+    second_turn    look-around episodes only: every frame of the second full turn (one event per episode)
 
 Consecutive probe frames are one **event**; means are pooled over probes with 95% intervals from an event-level
 bootstrap (``pooled_rate``), and the paired differences pose-time, pose-other, pose-none and pose-copy_last come
 with the same intervals (``paired_difference``). ``--stride S`` keeps every S-th probe of each event (every event
 keeps its first frame, so events are not lost). Probe windows are batched (``--batch`` windows per forward; the
 memory of every window sits at the same canonical time positions, which RoPE's relative distances make
-equivalent to the episode's own). Writes ``memory_probe_test.json`` into --out (default RUN/memory_probe_test/).
+equivalent to the episode's own). Of each window only its first chunk (frame t's) is denoised: block-causal
+attention lets it see memory and itself only, so it comes out as in the whole window (a test holds both to a
+rollout), and the memory's keys/values are built once per window, as in a cached rollout. Writes
+``memory_probe_test.json`` into --out (default RUN/memory_probe_test/).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from arvdm.evaluation.probes import MIN_EVENTS, memory_probes, paired_difference
 from arvdm.evaluation.revisit_score import PSNR_CAP
 from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, pose_match_matrix
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.model.state import RolloutState
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.schedules.matrix import ARSchedule
 from arvdm.schedules.presets import get_schedule
@@ -68,7 +73,7 @@ __all__ = ["MODES", "SETS", "TFProbe", "find_probe_sets", "generate_probe_frames
 MODES = ("pose", "time", "other", "none")
 REFERENCES = ("copy_last", "oracle")
 COMPARED = ("time", "other", "none", "copy_last")  # pose minus each
-SETS = ("pixel", "pose", "second_turn")
+SETS = ("pixel", "pixel_at_pose", "pose", "second_turn")
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ def find_probe_sets(eps: list[dict[str, Any]], recent: int, stride: int = 1) -> 
         nxt = {k: (v[-1].event + 1 if v else 0) for k, v in sets.items()}
         pix = memory_probes(ep["video"], ep["pose"], recent, first_event=nxt["pixel"], b=e)
         sets["pixel"] += [TFProbe(e, p.t, p.event) for p in pix]
+        sets["pixel_at_pose"] += [TFProbe(e, p.t, p.event) for p in pix if p.pose_match]
         t_len = ep["pose"].shape[0]
         gap = torch.arange(t_len)[:, None] - torch.arange(t_len)[None, :]  # (T, T): t - s
         match = pose_match_matrix(ep["pose"], DEFAULT_POS_TOL, DEFAULT_HEADING_TOL)  # (T, T)
@@ -214,6 +220,30 @@ def _stack_memory(mems: list[MemoryFrames], device: torch.device) -> MemoryFrame
                         next_index=m, ages=cat("ages"), target_poses=cat("target_poses"), levels=cat("levels"))
 
 
+class _GivenMemory:
+    """Stands in for a rollout's bank in a `RolloutState`: every sample's memory is already chosen (each probe
+    window's by its own PoseBank), so `memory()` hands it over as it is."""
+
+    def __init__(self, memory: MemoryFrames):
+        self.given, self.n_committed = memory, memory.window_start
+
+    def __len__(self) -> int:
+        return self.given.frames.shape[1]
+
+    def memory(self, target_poses: torch.Tensor | None = None) -> MemoryFrames:
+        return self.given
+
+
+def _state(model, mem: MemoryFrames, frames: int) -> RolloutState:
+    """A cached-rollout state holding `mem` for a window of `frames` frames: the memory's K/V (or projection) are
+    built once, by the same refresh a commit runs (cached == recomputed), instead of at every call."""
+    state = model.init_state(mem.frames.shape[0])
+    state.bank, state.target_poses = _GivenMemory(mem), mem.target_poses
+    model._refresh(state)  # the denoiser's own memory build from state.bank (the step every commit ends with)
+    state.target_poses = mem.target_poses[:, :frames]  # the generated frames' poses (the memory was chosen for w)
+    return state
+
+
 def _transitions(schedule: ARSchedule) -> list[tuple[np.ndarray, np.ndarray]]:
     """(levels from, levels to) of every call of the first window: the initialization stage, then one AR step."""
     rows = [schedule.init_matrix(), np.asarray(schedule.matrix)]
@@ -233,15 +263,18 @@ def probe_noise(seed: int, e: int, t: int, draws: int, shape: tuple[int, ...]) -
 
 
 @torch.no_grad()
-def _denoise(model, diffusion: PerFrameDiffusion, schedule: ARSchedule, mem: MemoryFrames, actions: torch.Tensor,
+def _denoise(model, diffusion: PerFrameDiffusion, schedule: ARSchedule, state: RolloutState, actions: torch.Tensor,
              noise: torch.Tensor) -> torch.Tensor:
-    """The window (P, w, C, H, W) from pure noise to level 0, as a rollout's plain rows do; noise (P, draws, w, ...)."""
+    """The window's first chunk (P, c, C, H, W) from pure noise to level 0, as a rollout's plain rows take it;
+    actions (P, c), noise (P, draws, c, C, H, W). With block-causal attention the first chunk sees only memory and
+    itself, so it comes out as in the whole window."""
     eta = diffusion.cfg.eta
-    x = noise[:, 0]  # (P, w, C, H, W) at level K
+    x = noise[:, 0]  # (P, c, C, H, W) at level K
     for i, (lv_from, lv_to) in enumerate(_transitions(schedule)):
-        lv_a = torch.as_tensor(lv_from, device=x.device).expand(x.shape[0], -1)  # (P, w)
-        lv_b = torch.as_tensor(lv_to, device=x.device).expand(x.shape[0], -1)  # (P, w)
-        v = model(x, lv_a, actions, memory=mem)  # (P, w, C, H, W)
+        c = x.shape[1]
+        lv_a = torch.from_numpy(np.array(lv_from[:c])).to(x.device).expand(x.shape[0], -1)  # (P, c)
+        lv_b = torch.from_numpy(np.array(lv_to[:c])).to(x.device).expand(x.shape[0], -1)  # (P, c)
+        v = model(x, lv_a, actions, state=state)  # (P, c, C, H, W)
         x = diffusion.step(x, v, lv_a, lv_b, eta, noise=noise[:, i + 1] if eta > 0 else None)
     return x
 
@@ -251,7 +284,7 @@ def generate_probe_frames(model, diffusion: PerFrameDiffusion, schedule: ARSched
                           seed: int = 0, progress: bool = True) -> dict[str, torch.Tensor]:
     """The generated frame t (F, C, H, W) for every (episode, t) of ``frames`` under each memory mode: the window
     at t generated from the ground truth before it, ``batch`` windows per forward, the same noise in every mode."""
-    w, device = schedule.window, model.device
+    w, c, device = schedule.window, model.frames_per_chunk, model.device  # frame t is in the first chunk
     draws = 1 + len(_transitions(schedule)) * (diffusion.cfg.eta > 0)
     shape = tuple(eps[frames[0][0]]["video"].shape[1:])  # (C, H, W)
     out = {mode: torch.empty(len(frames), *shape) for mode in modes}
@@ -259,14 +292,14 @@ def generate_probe_frames(model, diffusion: PerFrameDiffusion, schedule: ARSched
     bar = tqdm(total=len(starts) * len(modes), desc="teacher-forced windows", unit="batch", disable=not progress)
     for start in starts:
         chunk = frames[start : start + batch]
-        noise = torch.stack([probe_noise(seed, e, t, draws, (w, *shape)) for e, t in chunk]).to(device)
-        actions = torch.stack([_ahead(eps[e]["actions"], t, w) for e, t in chunk]).to(device)  # (P, w)
+        noise = torch.stack([probe_noise(seed, e, t, draws, (w, *shape))[:, :c] for e, t in chunk]).to(device)
+        actions = torch.stack([_ahead(eps[e]["actions"], t, c) for e, t in chunk]).to(device)  # (P, c)
         for mode in modes:
             mems = [_window_memory(model, eps, e, t, mode, w) for e, t in chunk]
             for m in sorted({x.frames.shape[1] for x in mems}):  # windows early in an episode remember fewer
                 idx = [i for i, x in enumerate(mems) if x.frames.shape[1] == m]
-                gen = _denoise(model, diffusion, schedule, _stack_memory([mems[i] for i in idx], device),
-                               actions[idx], noise[idx])  # (P', w, C, H, W)
+                state = _state(model, _stack_memory([mems[i] for i in idx], device), c)
+                gen = _denoise(model, diffusion, schedule, state, actions[idx], noise[idx])  # (P', c, C, H, W)
                 out[mode][[start + i for i in idx]] = gen[:, 0].float().cpu()  # frame t: the window's first
             bar.update(1)
     bar.close()
