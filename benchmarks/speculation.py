@@ -61,7 +61,7 @@ from arvdm.speculative.rows import (  # noqa: E402
     report_bin_width,
     tile_state,
 )
-from benchmarks.common import Lockstep, print_table, set_threads  # noqa: E402
+from benchmarks.common import Lockstep, interleaved, print_table, set_threads  # noqa: E402
 from data.atomic import atomic_write, atomic_write_text  # noqa: E402
 
 MODEL_RATIOS = (0.0, 0.25, 0.5, 1.0)  # batch-cost ratios R of the modelled rows per cost of the fixed arms
@@ -247,42 +247,36 @@ def make_cost(args, bench: dict[str, Any], ep: tuple) -> CostModel:
     return calibrate(args, bench, ep)
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - t0)
-    return statistics.median(seconds)
-
-
 @torch.no_grad()
 def measure_verify_calls(bench: dict[str, Any], ep: tuple, repeats: int = 7) -> dict[str, Any]:
     """Median wall-clock of one target call on L stacked windows per sample (the KV-cached context tiled, as a
-    round verifies) over one call on one window, for the lookaheads; and of tiling the state for L."""
+    round verifies) over one call on one window, for the lookaheads; and of tiling the state for L. The
+    candidates run round-robin (``interleaved``), so drift of the machine's load hits them alike."""
     (r, a, p), model, w, ctx = ep, bench["model"], bench["schedule"].window, bench["context"]
     b = r.shape[0]
     state = model.init_state(b)
     model.commit(state, r[:, :ctx], a[:, :ctx], *([] if p is None else [p[:, :ctx], p[:, ctx:ctx + w]]))
     levels = torch.linspace(bench["num_levels"], 1, w).long().to(r.device)  # (w,)
-    times, tiling = {}, {}
-    for lookahead in [1] + bench["lookaheads"]:
-        tiled = state if lookahead == 1 else tile_state(state, lookahead)
-        x = torch.randn(lookahead * b, w, *r.shape[2:], device=r.device)  # (L·B, w, C, H, W)
-        acts = a[:, ctx:ctx + w].repeat(lookahead, 1)  # (L·B, w)
-        lv = levels.expand(lookahead * b, w)
-        times[lookahead] = _median_time(lambda x=x, lv=lv, acts=acts, st=tiled: model(x, lv, acts, state=st), repeats)
-        if lookahead > 1:
-            tiling[lookahead] = _median_time(lambda n=lookahead: tile_state(state, n), repeats)
-    return {"call_seconds": times[1], "verify_call_cost": {str(k): v / times[1] for k, v in times.items() if k > 1},
-            "tile_state_cost": {str(k): v / times[1] for k, v in tiling.items()}}
+    fns = {}
+    for n in [1] + bench["lookaheads"]:
+        st = state if n == 1 else tile_state(state, n)
+        x = torch.randn(n * b, w, *r.shape[2:], device=r.device)  # (L·B, w, C, H, W)
+        acts = a[:, ctx:ctx + w].repeat(n, 1)  # (L·B, w)
+        lv = levels.expand(n * b, w)  # (L·B, w)
+        fns[f"call {n}"] = lambda x=x, lv=lv, acts=acts, st=st: model(x, lv, acts, state=st)
+        if n > 1:
+            fns[f"tile {n}"] = lambda n=n: tile_state(state, n)
+    med = {k: statistics.median(v) for k, v in interleaved(fns, repeats=repeats, warmup=1).items()}
+    one = med["call 1"]
+    return {"call_seconds": one, "verify_call_cost": {str(n): med[f"call {n}"] / one for n in bench["lookaheads"]},
+            "tile_state_cost": {str(n): med[f"tile {n}"] / one for n in bench["lookaheads"]}}
 
 
-def calibrate(args, bench: dict[str, Any], ep: tuple) -> CostModel:
+def calibrate(args, bench: dict[str, Any], ep: tuple, repeats: int = 3) -> CostModel:
     """Median wall-clock of a full round of each fixed arm over a plain round's, on one AR step of
-    ``--calib-steps`` rows (a plain round first as warm-up): verify_costs[L] from the frozen draft, each draft
-    network's cost per call from its extra time over the frozen round of the same L."""
+    ``--calib-steps`` rows, the arms in turn ``repeats`` times (the ratio to the plain round of the same turn,
+    then the median over turns): verify_costs[L] from the frozen draft, each draft network's cost per call
+    from its extra time over the frozen round of the same L."""
     schedule = get_schedule(args.schedule, bench["schedule"].window, bench["num_levels"], args.calib_steps)
     (r, a, p), context = ep, bench["context"]
 
@@ -297,16 +291,22 @@ def calibrate(args, bench: dict[str, Any], ep: tuple) -> CostModel:
         return statistics.median(full)
 
     bench["calib_specs"] = {}  # what round_split reads: each arm's rounds, timed outside the lockstep
+    arms = [(f"fixed:{L}", d) for d in bench["drafts"] for L in bench["lookaheads"]]
     median_round("fixed:1", "")  # warm-up
-    plain = median_round("fixed:1", "")
-    verify = {L: median_round(f"fixed:{L}", FROZEN) / plain for L in bench["lookaheads"]}
-    draft_costs = {}
-    for name in bench["drafts"]:
-        if name != FROZEN:
-            extra = [(median_round(f"fixed:{L}", name) / plain - verify[L]) / L for L in bench["lookaheads"]]
-            draft_costs[name] = max(0.0, sum(extra) / len(extra))
-    print(f"calibration ({args.calib_steps} rows, one AR step, batch {r.shape[0]}): plain round {1e3 * plain:.1f} ms;"
-          " round cost in plain rounds: " + ", ".join(f"L={L}: {c:.2f}" for L, c in verify.items())
+    ratios: dict[tuple[str, str], list[float]] = {arm: [] for arm in arms}
+    plains = []
+    for _ in range(repeats):
+        plains.append(median_round("fixed:1", ""))
+        for arm in arms:
+            ratios[arm].append(median_round(*arm) / plains[-1])
+    cost = {arm: statistics.median(v) for arm, v in ratios.items()}
+    verify = {L: cost[(f"fixed:{L}", FROZEN)] for L in bench["lookaheads"]}
+    draft_costs = {name: max(0.0, statistics.mean((cost[(f"fixed:{L}", name)] - verify[L]) / L
+                                                   for L in bench["lookaheads"]))
+                   for name in bench["drafts"] if name != FROZEN}
+    print(f"calibration ({args.calib_steps} rows, one AR step, batch {r.shape[0]}, {repeats} turns): plain round "
+          f"{1e3 * statistics.median(plains):.1f} ms; round cost in plain rounds: "
+          + ", ".join(f"L={L}: {c:.2f}" for L, c in verify.items())
           + "".join(f"; draft {n}: {c:.2f} per call" for n, c in draft_costs.items()))
     return CostModel(verify_costs=verify, draft_costs=draft_costs)
 
