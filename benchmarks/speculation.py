@@ -20,17 +20,14 @@ ratio within a repeat; the table gives the median and the range over ``--repeats
 episodes of one repeat and starts afresh in the next. Episodes shorter than ``--context`` + ``--frames`` are
 extended by repeating their last action and pose (as the rollout does past its last frame).
 
-The bandits' reward is rows advanced per unit of cost (``arvdm.speculative.cost.CostModel``). ``--cost measured``
-(default) first calibrates it here: the median wall-clock of a whole round of each fixed L over a plain round's
-(one ``--calib-steps``-row AR step each); ``--cost linear:R`` uses 1 + R·(L − 1) (R = 0: the GPU model).
+The bandits' reward is rows advanced per unit of cost (``arvdm.speculative.cost.CostModel``): ``--cost
+measured`` (default) calibrates it here (``--calib``: whole one-AR-step rollouts of each fixed L in lockstep, or
+each arm's median round timed alone), ``--cost linear:R`` uses 1 + R·(L − 1) (R = 0: the GPU model).
 
-Also measured: one bare target call on L stacked windows over one call on one window (the batched
-verification alone, KV state tiled as a round does), the draft's cost per drafted row over a plain target
-call (the frozen draft: the transition arithmetic, no network), and the time of tiling the KV state (once per
-AR step and L). Modelled, not measured: the speed-up a device where a batch of L windows costs one call would
-give (rows per round / cost with R = 0, the frozen draft free). Every configuration samples the target's exact
-law (tests/test_speculative_rollout.py), so the rows compare at equal output. Writes ``speculation.json``,
-``speculation_arms.png`` and ``speculation_acceptance.png`` into ``--out``.
+Also measured: one bare target call on L stacked windows over one on one window (KV state tiled as a round
+does), the draft's cost per drafted row and the tile's, in target calls. Modelled, not measured: the speed-up
+where a batch of L windows costs one call (rows per round, R = 0). Every configuration samples the target's
+exact law (tests/test_speculative_rollout.py). Writes ``speculation.json`` and two plots into ``--out``.
 """
 
 from __future__ import annotations
@@ -104,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "bin (0: skip)")
     p.add_argument("--cost", default="measured", help="measured (calibrate on this machine) or linear:R")
     p.add_argument("--calib-steps", type=int, default=40, help="rows of the calibration AR step per arm")
+    p.add_argument("--calib", default="lockstep", choices=("lockstep", "alone"), help="--cost measured prices a "
+                   "round by whole calibration rollouts run in lockstep (charged time per round over plain's), or "
+                   "by the median round of each arm timed alone")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="auto")
@@ -244,7 +244,40 @@ def make_cost(args, bench: dict[str, Any], ep: tuple) -> CostModel:
             raise SystemExit(f"--cost {args.cost!r}: expected linear:R with a number R >= 0 ({err})") from err
     if args.cost != "measured":
         raise SystemExit(f"--cost {args.cost!r}: expected measured or linear:R")
-    return calibrate(args, bench, ep)
+    alone = calibrate(args, bench, ep)
+    if args.calib == "alone":
+        return alone
+    return CostModel(verify_costs=calibrate_lockstep(args, bench, ep), draft_costs=alone.draft_costs)
+
+
+def calibrate_lockstep(args, bench: dict[str, Any], ep: tuple, turns: int = 3) -> dict[int, float]:
+    """Cost of a round of each fixed frozen arm in plain rounds: one ``--calib-steps``-row AR step per arm, all
+    arms in lockstep (as the comparison runs them), charged time per round over plain's per row; median of
+    ``turns`` turns after a warm-up turn."""
+    schedule = get_schedule(args.schedule, bench["schedule"].window, bench["num_levels"], args.calib_steps)
+    (r, a, p), context = ep, bench["context"]
+    names = ["fixed:1"] + [f"fixed:{L}" for L in bench["lookaheads"]]
+
+    def job(mode: str, model: PausingModel):
+        def run():
+            spec = make_speculation(mode, seed=args.seed)
+            rollout(model, bench["diffusion"], schedule, r[:, :context], a[:, :context], a[:, context:], 1,
+                    eta=args.eta, generator=torch.Generator().manual_seed(args.seed), progress=False, poses=p,
+                    rows=SpeculativeRows(spec))
+            return len(spec.rounds)
+        return run
+
+    ratios: dict[int, list[float]] = {L: [] for L in bench["lookaheads"]}
+    for turn in range(turns + 1):  # turn 0 warms up
+        ls = Lockstep()
+        rounds = ls.run({n: job(n, PausingModel(bench["model"], ls)) for n in names})
+        per_round = {n: ls.spent[n] / rounds[n] for n in names}
+        for L in ratios if turn else ():
+            ratios[L].append(per_round[f"fixed:{L}"] / per_round["fixed:1"])
+    cost = {L: statistics.median(v) for L, v in ratios.items()}
+    print(f"calibration in lockstep ({args.calib_steps} rows, {turns} turns): round cost in plain rounds: "
+          + ", ".join(f"L={L}: {c:.2f}" for L, c in cost.items()) + " (the bandits' cost model)")
+    return cost
 
 
 @torch.no_grad()
@@ -352,8 +385,8 @@ def compare_bandits(results: dict[str, dict[str, Any]], out_json: dict[str, dict
         rounds = [r for s in results[bandit]["specs"] for r in s.rounds]
         row["regret_over_time"] = regret_over_time([r.rows for r in rounds], [r.cost for r in rounds],
                                                    out_json[best_rate]["rows_per_cost"])
-        row["arm_share_last_half"] = _share([r.arm for r in rounds[len(rounds) // 2:]],
-                                            len(results[bandit]["specs"][0].arms))
+        last, n_arms = [r.arm for r in rounds[len(rounds) // 2:]], len(results[bandit]["specs"][0].arms)
+        row["arm_share_last_half"] = [round(last.count(i) / len(last), 3) for i in range(n_arms)]
         print(f"{bandit}: frames/s {100 * row['gap_fps_to_best_fixed_arm']:+.1f}% vs {best_fps} (repeats: "
               + ", ".join(f"{100 * g:+.1f}%" for g in gaps) + f"), rows per cost "
               f"{100 * row['gap_rows_per_cost_to_best_fixed_arm']:+.1f}% vs {best_rate}; arms' share over the last "
@@ -365,10 +398,6 @@ def compare_bandits(results: dict[str, dict[str, Any]], out_json: dict[str, dict
         print_table(["config"] + [str(k) for k in levels],
                     [[n] + [f"{out_json[n]['acceptance_by_level'].get(str(k), float('nan')):.2f}" for k in levels]
                      for n in fixed])
-
-
-def _share(arms: list[int], n_arms: int) -> list[float]:
-    return [round(arms.count(i) / max(1, len(arms)), 3) for i in range(n_arms)]
 
 
 def plot_acceptance(results: dict, path: Path) -> Path:
