@@ -215,3 +215,59 @@ def test_round_reward_charges_cost_and_counts_what_the_batch_advances():
     assert spec.reward_low == pytest.approx(1 / (2 + 0.75)) and spec.reward_high == pytest.approx(3 / 2.75)
     assert s["cost"] == pytest.approx(sum(r.cost for r in rounds))
     assert s["rows_per_cost"] == pytest.approx(12 / s["cost"])
+
+
+# -- batched verification == sequential verification -------------------------------------------------------
+
+def _rounds_of(spec):
+    return [(r.row, r.lookahead, r.rows, r.accepted, r.sample_rows) for r in spec.rounds]
+
+
+@pytest.mark.parametrize("draft", ["d", FROZEN])
+def test_batched_verification_equals_sequential_bit_for_bit(draft):
+    """A model whose arithmetic does not depend on the batch (elementwise): one target call on L·B stacked
+    windows gives exactly what L calls of B windows give: same frames, rounds and accept decisions."""
+    target, other = LinearModel(0.5, 0.2), LinearModel(0.52, 0.2)
+    b = 16
+    outs, specs = [], []
+    for verify in ("batched", "sequential"):
+        spec = Speculation(arms=[(3, draft)], policy=FixedArm(1, 0), drafts={"d": other} if draft == "d" else {})
+        outs.append(rollout(target, DIFF, chunked(1, K, 12), torch.zeros(b, 0, 1, 2, 2),
+                            torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 1, dtype=torch.long), 1, eta=1.0,
+                            generator=torch.Generator().manual_seed(2), progress=False,
+                            rows=SpeculativeRows(spec, verify=verify)))
+        specs.append(spec)
+    assert torch.equal(outs[0], outs[1])
+    assert _rounds_of(specs[0]) == _rounds_of(specs[1])
+    assert [(c.accepted, c.checked) for c in specs[0].checks] == [(c.accepted, c.checked) for c in specs[1].checks]
+    assert 0.05 < specs[0].summary()["acceptance"] < 0.95  # both accepted and reflected rows were compared
+    rounds = specs[0].rounds
+    assert all(r.target_states == 3 * b for r in rounds if r.row + 3 <= 12)  # one call on 3·B windows per round
+
+
+def test_batched_verification_matches_sequential_on_the_tiny_denoiser():
+    """The real model (levels per window, KV state tiled L-major, per-sample rows): the batched call's v equals
+    the separate calls' up to float rounding, so the same rows are accepted and the frames agree."""
+    target, other = tiny(0), tiny(0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(9)
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.001)
+    outs, specs = [], []
+    for verify in ("batched", "sequential"):
+        spec = Speculation(arms=[(3, "copy"), (4, FROZEN)], policy=UCBSpec(2, 3), drafts={"copy": other})
+        ctx, ctx_act, act = tiny_inputs(3)
+        act = torch.randint(0, 4, (3, 6), generator=torch.Generator().manual_seed(4))  # a different window per sample
+        outs.append(rollout(target, PerFrameDiffusion(target.cfg.diffusion), chunked(2, K, 10), ctx, ctx_act, act, 4,
+                            eta=1.0, generator=torch.Generator().manual_seed(6), progress=False,
+                            rows=SpeculativeRows(spec, verify=verify)))
+        specs.append(spec)
+    assert _rounds_of(specs[0]) == _rounds_of(specs[1])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    s = specs[0].summary()
+    assert 0.05 < s["acceptance"] < 0.95 and min(s["arm_counts"]) > 0, s  # both arms, accepts and reflections
+
+
+def test_speculative_rows_refuses_an_unknown_verify_mode():
+    with pytest.raises(ValueError, match="verify must be one of"):
+        SpeculativeRows(Speculation(arms=[(2, FROZEN)], policy=FixedArm(1, 0)), verify="parallel")

@@ -62,9 +62,10 @@ from memory.cache import KVCache
 
 __all__ = ["Speculation", "SpeculativeRows", "SpeculationError", "RoundRecord", "RowCheck", "tile_state",
            "make_speculation", "speculation_report", "plot_arms", "report_bin_width", "FROZEN", "NO_DRAFT",
-           "REPORT_LEVEL_BINS"]
+           "REPORT_LEVEL_BINS", "VERIFY_MODES"]
 
 NO_DRAFT = "none"
+VERIFY_MODES = ("batched", "sequential")  # SpeculativeRows(verify=): one call on L·B windows, or L calls of B
 REPORT_LEVEL_BINS = 10  # reports bin the acceptance of drafted rows by noise level into tenths of K
 ARMS_PLOT_WINDOWS = 40  # plot_arms smooths rows per round with a running mean over 1/40 of the rounds
 
@@ -100,6 +101,8 @@ class RoundRecord:
     cost: float = 1.0
     reward: float = 1.0
     sample_rows: float = 1.0
+    draft_seconds: float = 0.0  # wall-clock of drafting the rows (0 for a plain row)
+    verify_seconds: float = 0.0  # wall-clock of the target call(s) (the whole row for a plain row)
 
 
 @dataclass
@@ -215,10 +218,17 @@ def tile_state(obj: Any, copies: int) -> Any:
 class SpeculativeRows:
     """The speculative :class:`arvdm.pipeline.rows.RowRunner` (see the module docstring):
     ``rollout(..., eta=1.0, rows=SpeculativeRows(spec))``; ``spec``'s ``rounds`` / ``checks`` / ``rows`` are
-    filled in. One runner per rollout is the rule (``start`` resets everything but ``spec``)."""
+    filled in. One runner per rollout is the rule (``start`` resets everything but ``spec``).
 
-    def __init__(self, spec: Speculation):
-        self.spec = spec
+    ``verify="batched"`` (the default) checks a round's L drafted rows in one target call on L·B stacked
+    windows; ``"sequential"`` makes L calls of B windows instead: the same numbers up to the rounding of a
+    batched call (bit for bit for a model whose arithmetic does not depend on the batch; tested), the
+    reference the batched path is checked against and the baseline of its cost."""
+
+    def __init__(self, spec: Speculation, verify: str = "batched"):
+        if verify not in VERIFY_MODES:
+            raise SpeculationError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        self.spec, self.verify = spec, verify
 
     def start(self, rollout: RolloutContext) -> None:
         """Bind to one rollout: refuse eta = 0 and recorded steps, seed the accept tests, start draft states."""
@@ -311,7 +321,7 @@ class SpeculativeRows:
                                                 accepted[active].double().mean().item(),
                                                 size * self.batch if size > 1 else self.batch, draft_calls,
                                                 time.perf_counter() - t0, cost, reward,
-                                                (pos - start)[active].double().mean().item()))
+                                                (pos - start)[active].double().mean().item(), *self._split))
         return x
 
     def _levels(self, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,13 +332,16 @@ class SpeculativeRows:
     def _plain_row(self, x, rows, pos, win_actions) -> torch.Tensor:
         """Exactly a plain rollout's row (same call, same noise)."""
         lv_from, lv_to = self._levels(rows, pos)
+        t0 = time.perf_counter()
         v = self._target(x, lv_from, win_actions, 1)  # (B, w, ch, H, W)
+        self._split = (0.0, time.perf_counter() - t0)  # (draft, verify) seconds
         z = self.rollout.noise(x.shape)
         self.v_newest = v
         return self.diffusion.step(x, v, lv_from, lv_to, self.eta, noise=z)
 
     def _round(self, x, rows, pos, size, draft, win_actions):
         b, n_rows = self.batch, rows.shape[0] - 1
+        t0 = time.perf_counter()
         # 1. draft `size` rows from y_0 = x
         ys, means_q, sigmas_q, zs, levels = [x], [], [], [], []
         for i in range(size):
@@ -342,10 +355,15 @@ class SpeculativeRows:
             zs.append(z)
             levels.append((lv_from, lv_to))
         draft_calls = 0 if draft == FROZEN else size
-        # 2. the target on the `size` states y_0..y_{size-1} in one batch (size·B windows, L-major)
-        lv_all = torch.cat([lv for lv, _ in levels])  # (size·B, w)
-        v_all = self._target(torch.cat(ys[:size]), lv_all, win_actions.repeat(size, 1), size)
-        v_all = v_all.reshape(size, b, *x.shape[1:])  # (size, B, w, ch, H, W)
+        # 2. the target on the `size` states y_0..y_{size-1}: one batch of size·B windows (L-major), or size calls
+        t1 = time.perf_counter()
+        if self.verify == "batched":
+            lv_all = torch.cat([lv for lv, _ in levels])  # (size·B, w)
+            v_all = self._target(torch.cat(ys[:size]), lv_all, win_actions.repeat(size, 1), size)
+            v_all = v_all.reshape(size, b, *x.shape[1:])  # (size, B, w, ch, H, W)
+        else:
+            v_all = torch.stack([self._target(ys[i], levels[i][0], win_actions, 1) for i in range(size)])
+        self._split = (t1 - t0, time.perf_counter() - t1)  # (draft, verify) seconds
         # 3. verify in order; a sample stops at its first rejection (its reflection is exact)
         shape = (b,) + (1,) * (x.ndim - 1)
         alive = torch.ones(b, dtype=torch.bool, device=x.device)  # (B,) accepted every row so far
