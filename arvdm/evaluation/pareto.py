@@ -171,7 +171,7 @@ def plot_tradeoff(points: Sequence[Mapping[str, Any]], path: str | os.PathLike, 
     if ordered:
         ax.step([xy[i][0] for i in ordered], [xy[i][1] for i in ordered], where="post", color="C3", linewidth=1.2,
                 zorder=1, label="Pareto frontier")
-    for g in groups:  # legend entries for the markers only
+    for g in [g for g in groups if g]:  # legend entries for the named groups (seeds) only
         ax.scatter([], [], marker=GROUP_MARKERS[groups.index(g) % len(GROUP_MARKERS)], color="0.45",
                    label=g or "point")
     if zero_line is not None:

@@ -99,7 +99,7 @@ def _tradeoff_plots(out: Path, done: Sequence[Mapping[str, Any]]) -> dict[str, P
         return [{"name": r["label"], "x": r.get(x), "y": r.get("revisit_gain"), "lo": r.get("revisit_gain_lo"),
                  "hi": r.get("revisit_gain_hi"), "group": r.get("seed")} for r in done]
 
-    ylabel = "revisit gain, dB (model - copy-last on memory probes; 95% interval)"
+    ylabel = "revisit gain vs copy-last, dB (95% interval)"
     paths = {}
     if any(r.get("revisit_gain") is not None for r in done):
         paths["pareto_gain"] = out / "pareto_gain.png"
