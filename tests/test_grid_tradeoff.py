@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from arvdm.config import apply_overrides, get_preset
+from arvdm.evaluation.pareto import plot_tradeoff
 from arvdm.evaluation.revisit_score import revisit_score
 from arvdm.experiments.cli import main as experiments_main
 from arvdm.experiments.grid import load_grid
@@ -258,3 +259,12 @@ def test_grid_cost_writes_a_well_formed_cost_csv(tmp_path):
         assert (r["threads"], r["frames"], r["context"], r["repeats"]) == ("1", "4", "4", "2")
     assert grid_cost.main(["--grid-out", str(tmp_path / "none")]) == 2
     assert grid_cost.main(["--grid-out", str(out), "--cells", "nope*"]) == 2
+
+
+def test_plot_tradeoff_frontier_and_intervals_that_miss_the_mean(tmp_path):
+    points = [{"name": "a", "x": 1.0, "y": 2.0, "lo": 1.0, "hi": 3.0, "group": "s0"},
+              {"name": "b", "x": 2.0, "y": 1.0, "lo": 1.5, "hi": 2.5, "group": "s1"},  # interval above its mean
+              {"name": "c", "x": 0.5, "y": 0.5, "group": "s0"},
+              {"name": "d", "x": None, "y": 9.0}]  # no x: neither drawn nor on the frontier
+    assert plot_tradeoff(points, tmp_path / "t.png", xlabel="x", ylabel="y", title="t", zero_line="0") == [2, 0]
+    assert (tmp_path / "t.png").stat().st_size > 1000

@@ -163,7 +163,8 @@ def plot_tradeoff(points: Sequence[Mapping[str, Any]], path: str | os.PathLike, 
     for i in drawn:
         (x, y), p = xy[i], points[i]
         lo, hi = p.get("lo"), p.get("hi")
-        err = [[y - lo], [hi - y]] if lo is not None and hi is not None else None
+        # clipped at 0: a percentile interval need not contain the mean, and matplotlib refuses negative bars
+        err = [[max(0.0, y - lo)], [max(0.0, hi - y)]] if lo is not None and hi is not None else None
         marker = GROUP_MARKERS[groups.index(str(p.get("group") or "")) % len(GROUP_MARKERS)]
         ax.errorbar([x], [y], yerr=err, fmt=marker, color="C3" if i in front else "0.45", ecolor="0.75",
                     elinewidth=1, capsize=2, markersize=5, zorder=3 if i in front else 2)
