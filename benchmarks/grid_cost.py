@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/grid_cost.py` from the repo root
 
-from arvdm.config import SampleSettings, parse_device  # noqa: E402
+from arvdm.config import SCHEDULE_PRESETS, SampleSettings, parse_device  # noqa: E402
 from arvdm.errors import USER_ERRORS  # noqa: E402
 from arvdm.experiments.cells import GridError  # noqa: E402
 from arvdm.experiments.labels import cell_labels  # noqa: E402
@@ -92,13 +92,17 @@ def make_rollout(cell: dict[str, Any], out: Path, args: argparse.Namespace, mode
                         "found; pass --data DIR")
     real, actions, poses = load_validation_episodes(root, cfg, 1, args.context, args.frames,
                                                     split=sample.get("split") or "validation")
+    level = sample.get("context_level")
+    if level is None and str(sample.get("schedule", "chunked")) in SCHEDULE_PRESETS:
+        # as sample_run: a run that records its own k_ctx (diffusion.context_level) commits there
+        level = getattr(cfg.diffusion, "context_level", None)
     schedule = get_schedule(sample.get("schedule", "chunked"), cfg.train.window, cfg.diffusion.num_levels,
-                            sample.get("steps", 20), context_level=sample.get("context_level"))
+                            sample.get("steps", 20), context_level=level)
     model.check_schedule(schedule.delta, schedule.window)
     eta = sample.get("eta")
     settings = SampleSettings(schedule=schedule.name, steps=sample.get("steps", 20), batch_size=1, episodes=1,
                               eta=cfg.diffusion.eta if eta is None else eta, use_cache=sample.get("use_cache", True),
-                              context_level=sample.get("context_level"), progress=False,
+                              context_level=level, progress=False,
                               history_guidance=sample.get("history_guidance") or 0.0,
                               memory_select=sample.get("memory_select"))
     dev = parse_device(args.device)
