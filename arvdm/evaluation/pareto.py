@@ -98,7 +98,8 @@ def plot_pareto(
     """Scatter of configurations with the Pareto frontier drawn as a staircase; also a CSV of the points.
 
     Args:
-        points: ``[{"name", "x": max PSNR decay, "y": mean retrieval rate}, ...]``; points with a missing
+        points: ``[{"name", "x": max PSNR decay, "y": mean retrieval rate}, ...]`` (a "label", when given, is
+            written beside the point instead of the name; the CSV keeps the name); points with a missing
             coordinate are listed in the CSV but not drawn.
         csv_path: where to write the points CSV (default: ``path`` with suffix ``.csv``).
         reference: optional paper points (``paper_reference()["pareto_points"]``), drawn as hollow markers;
@@ -121,8 +122,8 @@ def plot_pareto(
         fy = [xy[i][1] for i in front]
         ax.step(fx, fy, where="post", color="C3", linewidth=1.5, zorder=2, label="Pareto frontier")
     for i in drawn:
-        ax.annotate(str(points[i].get("name", i)), xy[i], textcoords="offset points", xytext=(4, 4),
-                    fontsize=7)
+        text = points[i].get("label", points[i].get("name", i))
+        ax.annotate(str(text), xy[i], textcoords="offset points", xytext=(4, 4), fontsize=7)
     for p in reference or []:
         x, y = _xy(p)
         ax.scatter([x], [y], facecolors="none", edgecolors="C0", marker="D", zorder=3)

@@ -129,7 +129,8 @@ def _plots(out: Path, done: Sequence[Mapping[str, Any]], with_paper: bool) -> di
     paths["retrieval_by_span"] = plot_retrieval_by_span(
         {r["label"]: r["_rates"] for r in done}, out / "retrieval_by_span.png",
         reference=ref["retrieval_by_span"] if ref else None, counts={r["label"]: r["_counts"] for r in done})
-    points = [{"name": r["name"], "x": r["max_psnr_decay"], "y": r["retrieval_mean"]} for r in done]  # csv: names
+    points = [{"name": r["name"], "label": r["label"], "x": r["max_psnr_decay"], "y": r["retrieval_mean"]}
+              for r in done]
     plot_pareto(points, out / "pareto.png", csv_path=out / "pareto.csv",
                 reference=ref["pareto_points"] if ref else None)
     paths["pareto"], paths["pareto_csv"] = out / "pareto.png", out / "pareto.csv"
