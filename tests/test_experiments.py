@@ -319,7 +319,8 @@ def test_report_tables_plots_and_frontier_from_cell_folders(tmp_path):
     assert len(pareto) == 4 and pareto["channel_concat-m24-none-chunked"]["on_frontier"] == "0"
     md = (out / "results.md").read_text()
     assert "4 of 6 cells evaluated, 2 pending" in md and "| prepend-m8-none-chunked |" in md
-    assert "![Pareto frontier](pareto.png)" in md
+    assert "![Pareto frontier, max decay vs mean retrieval (old criterion)](pareto.png)" in md
+    assert "pareto_gain.png" not in md  # no rollout.npz: no revisit gain, no trade-off plot
 
     # `report` regenerates from the folder alone (plan.json, else the cells' cell.json), runs nothing.
     (out / "pareto.png").unlink()

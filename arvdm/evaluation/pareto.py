@@ -10,6 +10,9 @@ remembers revisited places). The paper's claim is that the two pull against each
 retrieves farther back but decays more), so the useful configurations are those on the frontier.
 A point is an (x, y) pair or a mapping with "x" and "y" (and "name"); a missing or non-finite coordinate
 keeps it off the frontier and off the plot.
+
+``plot_tradeoff`` draws any such pair of axes with an interval on y and a marker per group (the memory grid's
+revisit gain against error accumulation, and against cost per frame; arvdm.experiments.report).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from arvdm.evaluation.plots import new_figure, save_png
 from arvdm.evaluation.tables import format_value
 from data.atomic import atomic_write_text
 
-__all__ = ["pareto_frontier", "plot_pareto", "write_points_csv"]
+__all__ = ["pareto_frontier", "plot_pareto", "plot_tradeoff", "write_points_csv"]
 
 #: Size in inches of the Pareto plot (taller than the others: names are written beside the points).
 PARETO_FIGURE_SIZE = (7.0, 5.0)
@@ -95,7 +98,8 @@ def plot_pareto(
     """Scatter of configurations with the Pareto frontier drawn as a staircase; also a CSV of the points.
 
     Args:
-        points: ``[{"name", "x": max PSNR decay, "y": mean retrieval rate}, ...]``; points with a missing
+        points: ``[{"name", "x": max PSNR decay, "y": mean retrieval rate}, ...]`` (a "label", when given, is
+            written beside the point instead of the name; the CSV keeps the name); points with a missing
             coordinate are listed in the CSV but not drawn.
         csv_path: where to write the points CSV (default: ``path`` with suffix ``.csv``).
         reference: optional paper points (``paper_reference()["pareto_points"]``), drawn as hollow markers;
@@ -118,8 +122,8 @@ def plot_pareto(
         fy = [xy[i][1] for i in front]
         ax.step(fx, fy, where="post", color="C3", linewidth=1.5, zorder=2, label="Pareto frontier")
     for i in drawn:
-        ax.annotate(str(points[i].get("name", i)), xy[i], textcoords="offset points", xytext=(4, 4),
-                    fontsize=7)
+        text = points[i].get("label", points[i].get("name", i))
+        ax.annotate(str(text), xy[i], textcoords="offset points", xytext=(4, 4), fontsize=7)
     for p in reference or []:
         x, y = _xy(p)
         ax.scatter([x], [y], facecolors="none", edgecolors="C0", marker="D", zorder=3)
@@ -133,3 +137,51 @@ def plot_pareto(
     save_png(fig, path)
     write_points_csv(points, Path(path).with_suffix(".csv") if csv_path is None else csv_path)
     return front
+
+
+#: Markers of the point groups of a trade-off plot (e.g. one per training seed), in order.
+GROUP_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def plot_tradeoff(points: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, xlabel: str, ylabel: str,
+                  title: str, zero_line: str | None = None) -> list[int]:
+    """Scatter of configurations with y intervals, a marker per group and the Pareto frontier as a staircase.
+
+    Args:
+        points: ``[{"name", "x" (lower is better), "y" (higher is better), "lo", "hi" (y's interval, optional),
+            "group" (e.g. "s0"; one marker per group, optional)}]``; a point without finite x and y is not drawn.
+        zero_line: when given, a dashed line at y = 0 with this legend text (e.g. "= copy-last").
+    Returns:
+        The frontier indices (``pareto_frontier(points)``; intervals do not take part).
+    """
+    ordered = pareto_frontier(points)
+    front = set(ordered)
+    fig = new_figure(PARETO_FIGURE_SIZE)
+    ax = fig.add_subplot()
+    xy = [_xy(p) for p in points]
+    drawn = [i for i, (x, y) in enumerate(xy) if math.isfinite(x) and math.isfinite(y)]
+    groups = list(dict.fromkeys(str(points[i].get("group") or "") for i in drawn))
+    for i in drawn:
+        (x, y), p = xy[i], points[i]
+        lo, hi = p.get("lo"), p.get("hi")
+        # clipped at 0: a percentile interval need not contain the mean, and matplotlib refuses negative bars
+        err = [[max(0.0, y - lo)], [max(0.0, hi - y)]] if lo is not None and hi is not None else None
+        marker = GROUP_MARKERS[groups.index(str(p.get("group") or "")) % len(GROUP_MARKERS)]
+        ax.errorbar([x], [y], yerr=err, fmt=marker, color="C3" if i in front else "0.45", ecolor="0.75",
+                    elinewidth=1, capsize=2, markersize=5, zorder=3 if i in front else 2)
+        ax.annotate(str(p.get("name", i)), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6)
+    if ordered:
+        ax.step([xy[i][0] for i in ordered], [xy[i][1] for i in ordered], where="post", color="C3", linewidth=1.2,
+                zorder=1, label="Pareto frontier")
+    for g in [g for g in groups if g]:  # legend entries for the named groups (seeds) only
+        ax.scatter([], [], marker=GROUP_MARKERS[groups.index(g) % len(GROUP_MARKERS)], color="0.45",
+                   label=g or "point")
+    if zero_line is not None:
+        ax.axhline(0.0, color="black", linestyle="--", linewidth=0.8, label=zero_line)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    save_png(fig, path)
+    return ordered

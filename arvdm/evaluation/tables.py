@@ -19,7 +19,7 @@ from typing import Any
 
 from data.atomic import atomic_write_text
 
-__all__ = ["format_value", "write_results_table"]
+__all__ = ["format_value", "markdown_table", "write_results_table"]
 
 #: Significant digits of a float in a Markdown table or a points CSV.
 SIGNIFICANT_DIGITS = 4
@@ -73,7 +73,12 @@ def write_results_table(
         w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in cols})
     csv_out = atomic_write_text(csv_path, buf.getvalue())
 
-    lines = ["| " + " | ".join(_escape(c) for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(_escape(format_value(r.get(c))) for c in cols) + " |" for r in rows]
-    md_out = atomic_write_text(md_path, "\n".join(lines) + "\n")
+    md_out = atomic_write_text(md_path, markdown_table(rows, cols))
     return csv_out, md_out
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """A Markdown table of the given columns (``format_value`` cells, blank where missing), newline-terminated."""
+    lines = ["| " + " | ".join(_escape(c) for c in columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(_escape(format_value(r.get(c))) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@
     python -m arvdm.experiments pareto --grid paper --out experiments/paper
     python -m arvdm.experiments pareto --grid my_grid.yaml --only 'prepend-*' --dry-run
     python -m arvdm.experiments report --out experiments/tiny      # tables and plots from finished cells
+    python -m arvdm.experiments report --out experiments/memory --recent 3   # revisit gain scored at recent 3
 
 The grid language is arvdm.experiments.grid, the runner arvdm.experiments.runner, the tables and plots
 arvdm.experiments.report; the grid format and the output folder are described in docs/experiments.md.
@@ -28,7 +29,7 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m arvdm.experiments", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.split("\n")[1:6]))
+                                epilog="\n".join(__doc__.split("\n")[1:7]))
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("pareto", help="train and evaluate a grid (resumable), then write tables and plots")
     run.add_argument("--grid", required=True, help=f"grid YAML file, or a shipped grid: {available_grids()}")
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="regenerate tables and plots from finished cells (runs nothing)")
     rep.add_argument("--grid", help="grid file or name (default: OUT/plan.json)")
     rep.add_argument("--out", help="output folder (default experiments/<grid name>)")
+    rep.add_argument("--recent", type=int, help="recent frames of the common revisit score (default: the grid's "
+                                                "smallest memory.length)")
+    rep.add_argument("--data", help="folder of the evaluation episodes (default: found from eval.json's settings)")
     for q in (run, rep):
         q.add_argument("--paper-reference", dest="paper_reference", action="store_true", default=None,
                        help="overlay the paper's numbers on the plots")
@@ -56,7 +60,11 @@ def _run(args: argparse.Namespace) -> dict | None:
     if grid is not None and args.paper_reference is not None:
         grid.paper_reference = args.paper_reference
     if args.command == "report":
-        write_report(out, grid, paper_reference=args.paper_reference)
+        if args.recent is not None and args.recent < 1:
+            raise GridError(f"--recent {args.recent}: must be an integer >= 1 (frames the model sees directly)")
+        if args.data is not None and not Path(args.data).is_dir():
+            raise GridError(f"--data {args.data}: folder does not exist")
+        write_report(out, grid, paper_reference=args.paper_reference, recent=args.recent, data_root=args.data)
         return None
     return run_grid(grid, out, only=args.only, dry_run=args.dry_run, device=args.device,
                     fail_fast=args.fail_fast)

@@ -5,7 +5,9 @@
 
 The cells come from the grid when given, else ``OUT/plan.json``, else the ``OUT/cells/*/cell.json`` found.
 A finished cell's metrics come from its ``eval.json`` (and its per-frame PSNR from ``metrics.csv``), the
-training facts from the run folder (checkpoint header, ``log.csv``). Nothing is computed from frames here.
+training facts from the run folder (checkpoint header, ``log.csv``), the cost per frame from ``OUT/cost.csv``
+when ``benchmarks/grid_cost.py`` wrote one. The one thing computed from frames here is the revisit gain at a
+recent common to all cells (``arvdm.experiments.tradeoff``, from ``rollout.npz``, cached per cell).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from arvdm.evaluation.evaluate import read_eval_json
 from arvdm.evaluation.pareto import pareto_frontier
 from arvdm.evaluation.retrieval import mean_retrieval_rate
 from arvdm.experiments.cells import MEMORY_KEYS, Grid, GridError
+from arvdm.experiments.labels import cell_labels
+from arvdm.experiments.tradeoff import common_recent, error_columns, own_revisit_columns, read_cost, revisit_columns
 from arvdm.model.checkpoint import checkpoint_step, latest_checkpoint
 
 __all__ = ["BASELINE_FRAMES", "cells_for_report", "collect_results"]
@@ -129,33 +133,70 @@ def _metric_columns(cell_dir: Path, ev: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-def collect_results(out: str | os.PathLike, grid: Grid | None = None) -> list[dict[str, Any]]:
+def _frontier_flags(done: list[dict[str, Any]]) -> None:
+    """``on_frontier`` (max decay vs mean retrieval, the old criterion), ``on_frontier_gain`` (max decay vs
+    revisit gain) and ``on_frontier_cost`` (ms per frame vs revisit gain) of the finished rows."""
+    axes = {"on_frontier": ("max_psnr_decay", "retrieval_mean"), "on_frontier_gain": ("max_psnr_decay", "revisit_gain"),
+            "on_frontier_cost": ("ms_per_frame", "revisit_gain")}
+    for flag, (x, y) in axes.items():
+        front = set(pareto_frontier([{"x": r.get(x), "y": r.get(y)} for r in done]))
+        for i, r in enumerate(done):
+            r[flag] = int(i in front)
+
+
+def _cell_row(out: Path, cell: Mapping[str, Any], extra: list[str], recent: int,
+              data_root: str | os.PathLike | None) -> dict[str, Any]:
+    """One cell's settings and, when it has an eval.json, its metrics and trade-off columns."""
+    values = cell.get("values", {})
+    cell_dir = out / "cells" / cell["name"]
+    row: dict[str, Any] = {
+        "name": cell["name"], "structure": values.get("memory.structure"),
+        "length": values.get("memory.length"), "budget": values.get("memory.budget"),
+        "compressor": values.get("memory.compressor"), "schedule": values.get("schedule"),
+    }
+    row.update({k: values.get(k) for k in extra})
+    ev_path = cell_dir / "eval.json"
+    if ev_path.is_file():
+        ev = read_eval_json(ev_path)
+        row.update(_metric_columns(cell_dir, ev))
+        row.update(revisit_columns(cell_dir, ev, recent, out, data_root))
+        row.update(own_revisit_columns(ev))
+        row.update(error_columns(ev))
+    else:
+        row["status"] = "failed" if (cell_dir / "error.txt").is_file() else "pending"
+    return row
+
+
+def collect_results(out: str | os.PathLike, grid: Grid | None = None, *, recent: int | None = None,
+                    data_root: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     """One row per cell (finished, failed or pending) with its settings, metrics and training facts.
 
-    Columns: name, structure, length, budget, compressor, schedule, the grid's other varying keys, status,
-    max_psnr_decay, retrieval_mean, retrieval_<bin> per gap bin, psnr_<span> per span, psnr_mean,
-    ssim_mean, n_probes, retrieval_threshold, params, train_steps, val_loss, val_loss_ema, on_frontier,
-    train_run. Metrics are blank for cells without eval.json. Internal keys ``_curve``, ``_rates`` and
-    ``_counts`` (for the plots) start with an underscore and are not written to the tables.
+    Columns: label, config, seed (``arvdm.experiments.labels``), name, structure, length, budget, compressor,
+    schedule, the grid's other varying keys, status, max_psnr_decay, retrieval_mean, retrieval_<bin> per gap
+    bin, psnr_<span> per span, psnr_mean, ssim_mean, n_probes, retrieval_threshold; the trade-off columns
+    (``arvdm.experiments.tradeoff``): revisit_gain / _lo / _hi / _probes / _events / _recent, revisit_model,
+    revisit_copy_last, revisit_oracle, revisit_closes, revisit_poses, own_gain / _lo / _hi / _probes /
+    _events / _recent, psnr17_64_minus_ctx, hold_up_horizon, grad_ratio_65_120, ms_per_frame, ms_min, ms_max,
+    cost_ratio (blank without ``OUT/cost.csv``); params, train_steps, val_loss, val_loss_ema, on_frontier,
+    on_frontier_gain, on_frontier_cost, train_run. Metrics are blank for cells without eval.json. Internal
+    keys ``_curve``, ``_rates`` and ``_counts`` (for the plots) start with an underscore and are not written.
+
+    Args:
+        recent: the recent frames of the common revisit score (default: the grid's smallest memory.length).
+        data_root: where the evaluation episodes are (default: found from eval.json's settings).
     """
     out = Path(out)
     cells, extra, _ = cells_for_report(out, grid)
+    recent = common_recent(cells) if recent is None else recent
+    labels, cost = cell_labels(cells), read_cost(out)
     runs: dict[str, dict[str, Any]] = {}
     rows = []
     for cell in cells:
-        values = cell.get("values", {})
-        cell_dir = out / "cells" / cell["name"]
-        row: dict[str, Any] = {
-            "name": cell["name"], "structure": values.get("memory.structure"),
-            "length": values.get("memory.length"), "budget": values.get("memory.budget"),
-            "compressor": values.get("memory.compressor"), "schedule": values.get("schedule"),
-        }
-        row.update({k: values.get(k) for k in extra})
-        ev_path = cell_dir / "eval.json"
-        if ev_path.is_file():
-            row.update(_metric_columns(cell_dir, read_eval_json(ev_path)))
-        else:
-            row["status"] = "failed" if (cell_dir / "error.txt").is_file() else "pending"
+        lab = labels[cell["name"]]
+        row = {"label": lab.label, "config": lab.config, "seed": lab.seed,
+               **_cell_row(out, cell, extra, recent, data_root)}
+        if row["status"] == "done":
+            row.update(cost.get(cell["name"], dict.fromkeys(("ms_per_frame", "ms_min", "ms_max", "cost_ratio"))))
         run = cell.get("train_run")
         if run is not None:
             if run not in runs:
@@ -163,8 +204,5 @@ def collect_results(out: str | os.PathLike, grid: Grid | None = None) -> list[di
             row.update(runs[run])
         row["train_run"] = run
         rows.append(row)
-    done = [r for r in rows if r["status"] == "done"]
-    front = set(pareto_frontier([{"x": r["max_psnr_decay"], "y": r["retrieval_mean"]} for r in done]))
-    for i, r in enumerate(done):
-        r["on_frontier"] = int(i in front)
+    _frontier_flags([r for r in rows if r["status"] == "done"])
     return rows
