@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from arvdm.errors import ArvdmError
+from arvdm.presets import PRESETS  # the named presets' overrides (data only)
 from memory.select import SELECTIONS  # how a pose-aware run may choose memory at sampling
 
 
@@ -413,45 +414,6 @@ class SampleSettings:
         parse_device(self.device)
         return self
 
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # The README's main job on a laptop CPU (data, training and a rollout; timings in benchmarks/RESULTS.md):
-    # Memory Maze at 32x32 from 48 generated mazes, a small conv U-Net (32 channels at 32 px, 64 at 16 px)
-    # around 2 transformer blocks on 8x8 tokens, where the temporal attention, the memory and the KV caches
-    # live; 6 memory frames (4 chosen by camera pose, 2 recent) + 4 window frames; lr 2e-3 with min-SNR-5 loss
-    # weighting (each setting's effect is measured in benchmarks/RESULTS.md).
-    "tiny": {
-        "model.image_size": 32, "model.unet_channels": [32, 64], "model.patch_size": 2, "model.dim": 128,
-        "model.depth": 2, "model.heads": 4,
-        "memory.length": 6, "memory.select": "pose", "memory.pose_frames": 4,
-        "data.resize": 32, "data.path": "datasets/memory_maze_32_mixed",
-        "data.generate_episodes": 48, "data.generate_policy": "mixed",
-        "train.window": 4, "train.batch_size": 8, "train.lr": 2e-3, "train.warmup_steps": 100,
-        "train.ema_decay": 0.995,
-        # 1,100 steps keep the main job within 20 min from a fresh clone on a 2-core CPU (1,500 took 24 min)
-        "train.max_steps": 1100, "train.val_every": 550, "train.ckpt_every": 550, "train.sample_every": 1100,
-        # the issue-21 levers (benchmarks/RESULTS.md): context frames noised up to level 100 in training, generated
-        # frames committed at level 20 when sampling; memory dropped in 10% of the steps (history guidance)
-        "train.context_noise_max": 100, "diffusion.context_level": 20, "train.memory_dropout": 0.1,
-    },
-    # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
-    # the baseline a pose-aware run is compared with, and the preset tests of time-based machinery build on.
-    # Without the levers and with the old step count: exactly the time-based main job the earlier measurements used.
-    "tiny_time": {"memory.length": 4, "memory.select": "time", "memory.pose_frames": 0,
-                  "train.context_noise_max": 0, "diffusion.context_level": 0, "train.memory_dropout": 0.0,
-                  "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500},
-    # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
-    "paper": {
-        "model.patch_size": 4, "model.dim": 512, "model.depth": 12, "model.heads": 8,
-        "model.temporal_attention": "full",
-        "memory.length": 48,
-        "train.window": 16, "train.batch_size": 32, "train.lr": 1e-4, "train.warmup_steps": 2000,
-        "train.max_steps": 200_000, "train.val_every": 2000, "train.sample_every": 10_000,
-        "train.ckpt_every": 2000, "train.ema_decay": 0.9999,
-        "data.generate_episodes": 2000, "data.generate_length": 300, "data.num_workers": 8,
-    },
-}
 
 
 def get_preset(name: str) -> Config:
