@@ -45,7 +45,8 @@ def memory_frames(frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tens
 def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int,
                            num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
-                           ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0):
+                           ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0,
+                           drop_memory: bool | None = None):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -59,6 +60,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     0..k and is noised to it (`diffusion.add_noise`); the model is told its level. `memory_dropout` p (history
     guidance, DFoT): with probability p the whole batch sees no memory (the coin is read on the host: one sync
     per step, only when p > 0). Both draw after the window's levels and noise, and nothing when 0.
+    `drop_memory` given (True/False) replaces the coin: the trainer decides per step, the same on every DDP rank
+    (a per-rank coin would leave the memory path's gradients missing on some ranks only).
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -69,7 +72,7 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     x_t = diffusion.add_noise(x0, noise, levels)  # (B, w, C, H, W)
     target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
     mem = _memory(diffusion, video[:, :m], actions[:, :m], poses, ages, generator, context_noise_max,
-                  memory_dropout) if m > 0 else None
+                  memory_dropout, drop_memory) if m > 0 else None
     with autocast():
         v = model(x_t, levels, act, memory=mem)  # (B, w, C, H, W)
     per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
@@ -80,7 +83,7 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
 
 def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None,
             ages: torch.Tensor | None, generator: torch.Generator, context_noise_max: int,
-            memory_dropout: float) -> MemoryFrames | None:
+            memory_dropout: float, drop_memory: bool | None = None) -> MemoryFrames | None:
     """The loss's memory (frames (B,m,C,H,W)): noised to drawn levels, or dropped; draws only for a lever that is on."""
     levels = None
     if context_noise_max > 0:
@@ -89,6 +92,8 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
         noise = torch.randn(frames.shape, generator=generator, device=generator.device, dtype=frames.dtype)
         levels, noise = levels.to(frames.device), noise.to(frames.device)
         frames = diffusion.add_noise(frames, noise, levels)  # (B, m, C, H, W) at their levels
+    if drop_memory is not None:
+        return None if drop_memory else memory_frames(frames, actions, poses, ages, levels)
     if memory_dropout > 0:
         coin = torch.rand((), generator=generator, device=generator.device)
         if bool(coin < memory_dropout):  # the whole batch sees the window only (as v_nomem does at sampling)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -167,6 +168,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total_sum = torch.zeros((), device=self.device)
         count_sum = torch.zeros((), device=self.device)
+        # memory dropout under DDP: one coin per step, a pure function of (seed, step), the same on every rank (a
+        # per-rank coin leaves the memory path without gradients on some ranks only); one process keeps the
+        # objective's own coin from the noise generator (the sequence the measured main job was trained with)
+        drop = (random.Random(mix_seed(tc.seed, "memory_dropout", self.step)).random() < tc.memory_dropout
+                if tc.memory_dropout > 0 and self.dist.enabled else None)
         for i, mb in enumerate(micro_batches):
             video, actions = self._to_device(mb)  # (b, m+w, C, H, W) float in [-1, 1], (b, m+w)
             extras = pose_memory(mb, self.device)  # pose-chosen memory: poses (b, m+w, 3), ages (b, m)
@@ -178,7 +184,7 @@ class Trainer:
                                                       self.generator, self.autocast, tc.loss_weight,
                                                       tc.min_snr_gamma, **extras,
                                                       context_noise_max=tc.context_noise_max,
-                                                      memory_dropout=tc.memory_dropout)
+                                                      memory_dropout=tc.memory_dropout, drop_memory=drop)
                 total.backward()
             total_sum += total.detach().float()
             count_sum += count.detach().float()
