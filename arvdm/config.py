@@ -109,6 +109,10 @@ class ModelConfig:
     unet_channels: list = field(default_factory=list)
     frames_per_chunk: int = 1  # c: frames that see each other; serves schedules whose delta is a multiple of c
     temporal_attention: str = FACTORIZED  # one of TEMPORAL_ATTENTION_FORMS
+    # The most recent past frame at full resolution beside every window frame (GameNGen feeds its past frames to
+    # the U-Net's input channels): a zero-initialised conv of it is added to the first conv's output, so details
+    # the 8x8 tokens cannot carry reach the decoder. Needs conv levels (unet_channels) and memory.length >= 1.
+    last_frame_input: bool = False
 
     @property
     def token_grid(self) -> int:
@@ -133,6 +137,10 @@ class ModelConfig:
         _check(self.frames_per_chunk >= 1, "model.frames_per_chunk", self.frames_per_chunk, "must be >= 1")
         _check(self.temporal_attention in TEMPORAL_ATTENTION_FORMS, "model.temporal_attention",
                self.temporal_attention, "must be 'factorized' or 'full'")
+        _check(isinstance(self.last_frame_input, bool), "model.last_frame_input", self.last_frame_input,
+               "must be true or false")
+        _check(not self.last_frame_input or bool(self.unet_channels), "model.last_frame_input", self.last_frame_input,
+               "needs conv levels (model.unet_channels, e.g. [32, 64]): the last frame enters through the first conv")
         patch_values = self.patch_size ** 2 * self.channels
         if self.dim < patch_values and not self.unet_channels:
             warnings.warn(f"model.dim={self.dim} is smaller than the {patch_values} values of a "
@@ -314,6 +322,9 @@ class Config:
             part.validate()
         _check(self.train.window % self.model.frames_per_chunk == 0, "train.window", self.train.window,
                f"must be a multiple of model.frames_per_chunk={self.model.frames_per_chunk}")
+        _check(not self.model.last_frame_input or self.memory.length >= 1, "model.last_frame_input",
+               self.model.last_frame_input, f"needs memory.length >= 1 (the last frame comes from the memory), got "
+               f"memory.length={self.memory.length}")
         k_max = self.diffusion.num_levels - 1
         _check(isinstance(self.train.context_noise_max, int) and not isinstance(self.train.context_noise_max, bool)
                and 0 <= self.train.context_noise_max <= k_max, "train.context_noise_max", self.train.context_noise_max,

@@ -13,7 +13,9 @@ model, its forward and the commits of a cached rollout.
 Architecture (v-prediction; every frame has its own noise level):
 
     cond (B,T,D)  = MLP(sinusoidal(level / K)) + action embedding     (one vector per frame)
-    x (B,T,C,H,W) --ConvEncoder--> per level: ResBlock with adaptive group norm from cond, stride-2 down
+    x (B,T,C,H,W) --ConvEncoder--> (model.last_frame_input: + zero-init conv of the most recent past frame,
+                                   the memory's last, added to the stem's output of every window frame)
+                                   per level: ResBlock with adaptive group norm from cond, stride-2 down
                                    (model.unet_channels; [] = no conv levels, a plain patch DiT)
                   --patchify the lowest feature map--> tokens (B,T,N,D) + learned 2-D position embedding
     depth x Block, each sublayer pre-norm, AdaLN-Zero modulated by the frame's cond:
@@ -101,6 +103,12 @@ class Denoiser(nn.Module):
         unet = list(mc.unet_channels)
         self.encoder = ConvEncoder(mc.channels, unet, d) if unet else None
         self.decoder = ConvDecoder(mc.channels, unet, d) if unet else None
+        # model.last_frame_input: the most recent past frame (full resolution) beside every window frame, through
+        # its own zero-initialised conv added to the stem's output, so a fresh model computes what it did without
+        self.last_frame_stem = nn.Conv2d(mc.channels, unet[0], 3, padding=1) if mc.last_frame_input else None
+        if self.last_frame_stem is not None:
+            nn.init.zeros_(self.last_frame_stem.weight)
+            nn.init.zeros_(self.last_frame_stem.bias)
         token_in = unet[-1] if unet else mc.channels  # channels of the map that is patchified
         self.patch_embed = nn.Linear(token_in * mc.patch_size ** 2, d)
         self.pos_embed = nn.Parameter(torch.randn(1, 1, self.num_tokens, d) * POS_EMBED_INIT_STD)  # 2-D grid
@@ -171,13 +179,19 @@ class Denoiser(nn.Module):
         if window % c:
             raise DenoiserError(f"schedule window={window} is not a multiple of model.frames_per_chunk={c}")
 
-    def _embed_frames(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, list | None]:
+    def _embed_frames(self, x: torch.Tensor, cond: torch.Tensor,
+                      last: torch.Tensor | None = None) -> tuple[torch.Tensor, list | None]:
         """(B,T,C,H,W) frames, (B,T,D) cond -> tokens (B,T,N,D) with the position embedding, and the
-        encoder's skips (per level (B*T,c,h,w); None without conv levels)."""
+        encoder's skips (per level (B*T,c,h,w); None without conv levels). `last` (B,C,H,W): the most recent past
+        frame, given to every one of the T frames (model.last_frame_input; None = not available / not used)."""
         b, t, p = x.shape[0], x.shape[1], self.patch
         skips = None
         if self.encoder is not None:
-            f, skips = self.encoder(x.flatten(0, 1), cond.flatten(0, 1))  # (B*T,c,h,w)
+            extra = None
+            if last is not None:
+                e = self.last_frame_stem(last.to(x.dtype))  # (B,c0,H,W)
+                extra = e[:, None].expand(b, t, *e.shape[1:]).flatten(0, 1)  # (B*T,c0,H,W)
+            f, skips = self.encoder(x.flatten(0, 1), cond.flatten(0, 1), extra)  # (B*T,c,h,w)
             x = f.unflatten(0, (b, t))  # (B,T,c,h,w)
         x = rearrange(x, "b t c (h p1) (w p2) -> b t (h w) (p1 p2 c)", p1=p, p2=p)  # (B,T,N,p*p*c)
         return self.patch_embed(x) + self.pos_embed, skips  # (B,T,N,D)
@@ -190,6 +204,14 @@ class Denoiser(nn.Module):
             return f
         b, t = f.shape[:2]
         return self.decoder(f.flatten(0, 1), skips, cond.flatten(0, 1)).unflatten(0, (b, t))  # (B,T,C,H,W)
+
+    def _last_frame(self, memory: MemoryFrames | None) -> torch.Tensor | None:
+        """The last frame (B,C,H,W) of the memory, the most recent past frame (memory banks and training clips
+        put the recent frames last), for model.last_frame_input; None when the model does not use it or there is
+        no memory (memory dropout, history guidance's memory-free call, an empty bank)."""
+        if self.last_frame_stem is None or memory is None or len(memory) == 0:
+            return None
+        return memory.frames[:, -1]
 
     def _cond(self, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         return self.level_embed(levels) + self.action_embed(actions)  # (B,T,D)
@@ -257,7 +279,8 @@ class Denoiser(nn.Module):
             raise DenoiserError("give either memory= (explicit frames) or state= (cached rollout), not both")
         b, t = x.shape[:2]
         cond = self._cond(levels, actions)  # (B,T,D)
-        h, skips = self._embed_frames(x, cond)  # (B,T,N,D)
+        last = state.last_frame if state is not None else self._last_frame(memory)  # (B,C,H,W) or None
+        h, skips = self._embed_frames(x, cond, last)  # (B,T,N,D)
         target_poses = state.target_poses if state is not None else memory.target_poses if memory else None
         if self.pose_aware and target_poses is not None:
             if target_poses.shape[:2] != (b, t):
@@ -374,11 +397,15 @@ class Denoiser(nn.Module):
     def _refresh(self, state: RolloutState) -> None:
         """Rebuild the per-commit memory representation from the bank (all but raw prepend)."""
         if self.caches_committed_kv:
+            if self.last_frame_stem is not None:
+                state.last_frame = self._last_frame(state.bank.memory())
             return
         if self.pose_aware and state.target_poses is None:
             raise DenoiserError("a pose-aware model (memory.select=pose) chooses each window's memory by the "
                                 "window's poses: commit(..., target_poses=(B, w, 3))")
-        mem = memory_path.memory_tokens(self, state.bank.memory(state.target_poses), state.batch_size)
+        memory = state.bank.memory(state.target_poses)
+        state.last_frame = self._last_frame(memory)  # exactly what an uncached call with this memory uses
+        mem = memory_path.memory_tokens(self, memory, state.batch_size)
         if self.memory_prefix:
             for cache in state.caches:
                 cache.reset()

@@ -28,6 +28,8 @@ class RolloutState:
         memory_vec: channel_concat only: the projected memory (B,N,D) added to every window token.
         cross_kv: cross_attention only: per layer (K, V) of the memory tokens.
         target_poses: pose-aware models only: (B,w,3) poses of the window the memory was chosen for.
+        last_frame: model.last_frame_input only: (B,C,H,W) the most recent committed frame, as committed (the
+            last frame of the bank's memory, as an uncached call would get it).
     """
 
     bank: MemoryBank | PoseBank
@@ -36,6 +38,7 @@ class RolloutState:
     memory_vec: torch.Tensor | None = None
     cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     target_poses: torch.Tensor | None = None
+    last_frame: torch.Tensor | None = None
 
     @property
     def n_committed(self) -> int:

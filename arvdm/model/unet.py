@@ -60,8 +60,12 @@ class ConvEncoder(nn.Module):
         self.down = nn.ModuleList(nn.Conv2d(a, b, 3, stride=2, padding=1) for a, b in zip(channels, channels[1:]))
         self.blocks = nn.ModuleList(ResBlock(c, c, cond_dim) for c in channels)
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, x: torch.Tensor, cond: torch.Tensor,
+                extra: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`extra` (B*T,c0,H,W), if given, is added to the stem's output (the denoiser's last-frame input)."""
         h, skips = self.stem(x), []  # (B*T,c0,H,W)
+        if extra is not None:
+            h = h + extra
         for i, blk in enumerate(self.blocks):
             if i > 0:
                 h = self.down[i - 1](h)  # (B*T,ci,H/2^i,W/2^i)
