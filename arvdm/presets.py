@@ -32,12 +32,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         # the issue-21 levers (benchmarks/RESULTS.md): context frames noised up to level 100 in training, generated
         # frames committed at level 20 when sampling; memory dropped in 10% of the steps (history guidance)
         "train.context_noise_max": 100, "diffusion.context_level": 20, "train.memory_dropout": 0.1,
+        # the most recent past frame at full resolution beside every window frame (benchmarks/RESULTS.md:
+        # +1.3 dB over frames 17-64 of fresh random-action episodes, paired)
+        "model.last_frame_input": True,
     },
     # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
     # the baseline a pose-aware run is compared with, and the preset tests of time-based machinery build on.
     # Without the levers and with the old step count: exactly the time-based main job the earlier measurements used.
     "tiny_time": {"memory.length": 4, "memory.select": "time", "memory.pose_frames": 0,
                   "train.context_noise_max": 0, "diffusion.context_level": 0, "train.memory_dropout": 0.0,
+                  "model.last_frame_input": False,
                   "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500},
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {
