@@ -14,6 +14,7 @@ between the cells appear. Known keys read as:
 - the error-accumulation levers, only when on: ``+noise<max>`` (train.context_noise_max),
   ``ctx<level>`` (sample.context_level), ``+drop<p>`` (train.memory_dropout), ``hg<W>``
   (sample.history_guidance);
+- switches the main job has on, only when off: ``-lastframe`` (model.last_frame_input false);
 - ``train.seed`` last, as ``s<seed>``; the label without it is the cell's **configuration**, the unit over
   which ``pool_seeds`` averages;
 - any other varying key as ``<last part of the key><value>``, like the cell names.
@@ -39,6 +40,8 @@ MEMORY_PART_KEYS = ("memory.select", "sample.memory_select", "memory.pose_frames
 #: Switch-like keys: shown only when on (value not 0 / None / False), as prefix + value.
 LEVERS = {"train.context_noise_max": "+noise", "sample.context_level": "ctx", "train.memory_dropout": "+drop",
           "sample.history_guidance": "hg"}
+#: Switches `tiny` has on: shown only when a cell turns them off, as this text.
+OFF_SWITCHES = {"model.last_frame_input": "-lastframe"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ def label_parts(values: Mapping[str, Any], varying: Iterable[str]) -> tuple[list
         elif key in LEVERS:
             if _is_on(v):
                 config.append(f"{LEVERS[key]}{_fmt(v)}")
+        elif key in OFF_SWITCHES:
+            if not _is_on(v):
+                config.append(OFF_SWITCHES[key])
         elif key == "schedule":
             config.append(str(v))
         else:
