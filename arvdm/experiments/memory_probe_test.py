@@ -239,7 +239,7 @@ def _state(model, mem: MemoryFrames, frames: int) -> RolloutState:
     built once, by the same refresh a commit runs (cached == recomputed), instead of at every call."""
     state = model.init_state(mem.frames.shape[0])
     state.bank, state.target_poses = _GivenMemory(mem), mem.target_poses
-    model._refresh(state)  # the denoiser's own memory build from state.bank (the step every commit ends with)
+    model.refresh_memory(state)  # the denoiser's own memory build from state.bank (the step every commit ends with)
     state.target_poses = mem.target_poses[:, :frames]  # the generated frames' poses (the memory was chosen for w)
     return state
 

@@ -392,10 +392,12 @@ class Denoiser(nn.Module):
         state.target_poses = target_poses
         for cache in state.caches:
             cache.evict(state.n_committed)
-        self._refresh(state)
+        self.refresh_memory(state)
 
-    def _refresh(self, state: RolloutState) -> None:
-        """Rebuild the per-commit memory representation from the bank (all but raw prepend)."""
+    def refresh_memory(self, state: RolloutState) -> None:
+        """Rebuild what the next window reads from ``state.bank``: the memory representation (all but raw
+        prepend, whose K/V are appended at commit) and ``state.last_frame``. Every commit ends with it; call it
+        after changing ``state.bank`` or ``state.target_poses`` yourself (the teacher-forced memory test does)."""
         if self.caches_committed_kv:
             if self.last_frame_stem is not None:
                 state.last_frame = self._last_frame(state.bank.memory())
