@@ -8,8 +8,10 @@ cached rollouts (which keep the last committed frame in the state) equal recompu
 
 import pytest
 import torch
+from test_noisy_context import B, K, clip, poses, tiny_cfg
+from test_noisy_context import make as make_random
 
-from arvdm.config import ConfigError, apply_overrides, get_preset
+from arvdm.config import ConfigError
 from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
@@ -17,38 +19,19 @@ from arvdm.schedules.presets import chunked, fifo
 from arvdm.training.objective import diffusion_forcing_loss
 from memory import MemoryFrames
 
-K = 100
-B, C, S, A = 2, 3, 16, 5
-
-
 def cfg_of(*overrides):
-    base = ["model.image_size=16", "model.unet_channels=[8,16]", "model.patch_size=2", "model.dim=32",
-            "model.depth=2", "model.heads=2", f"model.num_actions={A}", f"diffusion.num_levels={K}",
-            "memory.length=4", "memory.retention=last", "model.last_frame_input=true"]
-    return apply_overrides(get_preset("tiny_time"), base + list(overrides))
+    return tiny_cfg("model.last_frame_input=true", *overrides)
 
 
 def make(*overrides, seed=0, zero_stem=False):
-    """A tiny model with every parameter random (the zero-initialised convs would hide the paths under test)."""
-    torch.manual_seed(seed)
-    model = Denoiser(cfg_of(*overrides)).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)  # drawn for the stem too: the rest stays the same
-            if zero_stem and name.startswith("last_frame_stem"):
+    """test_noisy_context's all-random tiny model with the last-frame input; `zero_stem`: the same weights with the
+    stem at its initial zero (the rest of the draw unchanged)."""
+    model = make_random("model.last_frame_input=true", *overrides, seed=seed)
+    if zero_stem:
+        with torch.no_grad():
+            for p in model.last_frame_stem.parameters():
                 p.zero_()
     return model
-
-
-def clip(t, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(B, t, C, S, S, generator=g) * 2 - 1, torch.randint(0, A, (B, t), generator=g)
-
-
-def poses(t, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.rand(B, t, 2, generator=g) * 5, torch.rand(B, t, 1, generator=g) * 6 - 3], dim=2)
 
 
 def test_fresh_model_equals_the_same_weights_without_it():
