@@ -19,6 +19,7 @@ from arvdm.schedules.presets import chunked, fifo
 from arvdm.training.objective import diffusion_forcing_loss
 from memory import MemoryFrames
 
+
 def cfg_of(*overrides):
     return tiny_cfg("model.last_frame_input=true", *overrides)
 
