@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from memory.select import wrap_angle  # one definition: the memory's pose selection wraps headings the same way
+
 __all__ = [
     "DEFAULT_HEADING_TOL",
     "DEFAULT_POS_TOL",
@@ -56,11 +58,6 @@ class Probe:
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "gap": self.gap}
-
-
-def wrap_angle(a: Tensor) -> Tensor:
-    """Wrap angles (radians) to [-pi, pi)."""
-    return torch.remainder(a + math.pi, 2 * math.pi) - math.pi
 
 
 def check_poses(poses: Tensor, name: str) -> Tensor:
