@@ -135,3 +135,89 @@ def test_bad_config_is_refused_naming_the_key(overrides, match):
         except ConfigError as e:
             assert match in str(e)
             raise
+
+
+# -- model.last_frame_pose: the last frame's features modulated by the camera's move since that frame -------------
+POSE = ("memory.structure=prepend", "memory.select=pose", "memory.pose_frames=2", "memory.length=4")
+
+
+def make_pose(*overrides, seed=0, zero_film=False, film_seed=7):
+    """The pose-aware last-frame model with model.last_frame_pose; its MLP's output layer drawn at random (a fresh
+    one is zero), or zero with `zero_film` (the rest of the weights the same)."""
+    model = make(*POSE, "model.last_frame_pose=true", *overrides, seed=seed)
+    g = torch.Generator().manual_seed(film_seed)
+    with torch.no_grad():
+        for p in model.last_frame_film[-1].parameters():
+            p.copy_(torch.zeros_like(p) if zero_film else torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def test_last_frame_pose_fresh_equals_without_and_reads_the_move():
+    fresh = Denoiser(cfg_of(*POSE, "model.last_frame_pose=true"))
+    assert torch.equal(fresh.last_frame_film[-1].weight, torch.zeros_like(fresh.last_frame_film[-1].weight))
+    model, zero = make_pose(), make_pose(zero_film=True)
+    without = make(*POSE)  # no MLP; given the other weights of `zero` below
+    weights = {k: v for k, v in zero.state_dict().items() if not k.startswith("last_frame_film")}
+    without.load_state_dict(weights)
+    (mem, mem_a), (x, a) = clip(4, seed=1), clip(2, seed=2)
+    p = poses(6, seed=5)
+    memory = MemoryFrames(mem, mem_a, poses=p[:, :4], ages=torch.arange(4, 0, -1).expand(B, 4),
+                          target_poses=p[:, 4:])
+    levels = torch.full((B, 2), 40)
+    with torch.no_grad():
+        ref = without(x, levels, a, memory=memory)
+        assert torch.equal(zero(x, levels, a, memory=memory), ref)  # a zero output layer changes nothing, exactly
+        base = model(x, levels, a, memory=memory)
+        assert (base - ref).abs().max() > 1e-3  # a trained MLP changes the output
+        # it reads the move relative to the last memory frame: shifting every pose together changes nothing ...
+        shifted = p.clone()
+        shifted[..., :2] += 3.0
+        moved = MemoryFrames(mem, mem_a, poses=shifted[:, :4], ages=memory.ages, target_poses=shifted[:, 4:])
+        assert (model(x, levels, a, memory=moved) - base).abs().max() < 1e-4
+        # ... moving the window's poses alone does (the pose tags change too: compare against the zero MLP's change)
+        away = p.clone()
+        away[:, 4:, 0] += 1.0
+        far = MemoryFrames(mem, mem_a, poses=p[:, :4], ages=memory.ages, target_poses=away[:, 4:])
+        assert ((model(x, levels, a, memory=far) - base) - (zero(x, levels, a, memory=far) - ref)).abs().max() > 1e-3
+        # without memory there is no last frame and nothing to modulate
+        assert torch.equal(model(x, levels, a), zero(x, levels, a))
+
+
+@pytest.mark.parametrize("k_ctx", [0, 15])
+def test_last_frame_pose_cached_equals_recomputed(k_ctx):
+    model = make_pose()
+    sched = fifo(4, K, 1).with_context_level(k_ctx)
+    ctx, ctx_a = clip(2, seed=3)
+    _, act = clip(9, seed=4)
+
+    def run(m, use_cache, **kw):
+        return rollout(m, PerFrameDiffusion(m.cfg.diffusion), sched, ctx, ctx_a, act, 9, progress=False, eta=0.5,
+                       generator=torch.Generator().manual_seed(1), use_cache=use_cache, poses=poses(11, seed=5), **kw)
+
+    cached = run(model, True)
+    assert (cached - run(model, False)).abs().max() < 1e-5
+    assert (cached - run(make_pose(zero_film=True), True)).abs().max() > 1e-3  # the move mattered
+    for mode in ("time", "none", "other"):
+        assert (run(model, True, memory_select=mode) - run(model, False, memory_select=mode)).abs().max() < 1e-5
+
+
+def test_the_loss_trains_the_pose_mlp():
+    model = make_pose(zero_film=True).train()
+    video, act = clip(6, seed=1)
+    p = poses(6, seed=2)
+    total, counted = diffusion_forcing_loss(model, PerFrameDiffusion(model.cfg.diffusion), video, act, 4, K,
+                                            torch.Generator().manual_seed(0), poses=p,
+                                            ages=torch.arange(4, 0, -1).expand(B, 4))
+    (total / counted).backward()
+    assert model.last_frame_film[-1].weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (("model.last_frame_input=false", *POSE), "model.last_frame_input"),
+    (("memory.select=time",), "memory.select"),
+    (("model.last_frame_pose=1", *POSE), "bool"),
+])
+def test_last_frame_pose_bad_config_is_refused(overrides, match):
+    with pytest.raises(ConfigError, match="last_frame_pose") as e:
+        cfg_of("model.last_frame_pose=true", *overrides).validate()
+    assert match in str(e.value)
