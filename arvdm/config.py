@@ -113,11 +113,6 @@ class ModelConfig:
     # the U-Net's input channels): a zero-initialised conv of it is added to the first conv's output, so details
     # the 8x8 tokens cannot carry reach the decoder. Needs conv levels (unet_channels) and memory.length >= 1.
     last_frame_input: bool = False
-    # The last frame's features told where each window frame's camera is relative to the last frame's (forward,
-    # left, heading change; poses come with the episode, like actions): a zero-initialised MLP gives a per-frame
-    # scale and shift of the last-frame conv's output, so a fresh model computes what it did without. Needs
-    # last_frame_input and pose-chosen memory (memory.select=pose: the window's and the memory's poses).
-    last_frame_pose: bool = False
 
     @property
     def token_grid(self) -> int:
@@ -146,10 +141,6 @@ class ModelConfig:
                "must be true or false")
         _check(not self.last_frame_input or bool(self.unet_channels), "model.last_frame_input", self.last_frame_input,
                "needs conv levels (model.unet_channels, e.g. [32, 64]): the last frame enters through the first conv")
-        _check(isinstance(self.last_frame_pose, bool), "model.last_frame_pose", self.last_frame_pose,
-               "must be true or false")
-        _check(not self.last_frame_pose or self.last_frame_input, "model.last_frame_pose", self.last_frame_pose,
-               "needs model.last_frame_input=true (it modulates the last-frame conv's output)")
         patch_values = self.patch_size ** 2 * self.channels
         if self.dim < patch_values and not self.unet_channels:
             warnings.warn(f"model.dim={self.dim} is smaller than the {patch_values} values of a "
@@ -334,9 +325,6 @@ class Config:
         _check(not self.model.last_frame_input or self.memory.length >= 1, "model.last_frame_input",
                self.model.last_frame_input, f"needs memory.length >= 1 (the last frame comes from the memory), got "
                f"memory.length={self.memory.length}")
-        _check(not self.model.last_frame_pose or self.memory.select == "pose", "model.last_frame_pose",
-               self.model.last_frame_pose, f"needs memory.select=pose (the window's poses relative to the last "
-               f"frame's), got memory.select={self.memory.select}")
         k_max = self.diffusion.num_levels - 1
         _check(isinstance(self.train.context_noise_max, int) and not isinstance(self.train.context_noise_max, bool)
                and 0 <= self.train.context_noise_max <= k_max, "train.context_noise_max", self.train.context_noise_max,

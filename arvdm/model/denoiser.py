@@ -14,9 +14,7 @@ Architecture (v-prediction; every frame has its own noise level):
 
     cond (B,T,D)  = MLP(sinusoidal(level / K)) + action embedding     (one vector per frame)
     x (B,T,C,H,W) --ConvEncoder--> (model.last_frame_input: + zero-init conv of the most recent past frame,
-                                   the memory's last, added to the stem's output of every window frame;
-                                   model.last_frame_pose: scaled and shifted per frame by a zero-init MLP of
-                                   the camera's move since that frame)
+                                   the memory's last, added to the stem's output of every window frame)
                                    per level: ResBlock with adaptive group norm from cond, stride-2 down
                                    (model.unet_channels; [] = no conv levels, a plain patch DiT)
                   --patchify the lowest feature map--> tokens (B,T,N,D) + learned 2-D position embedding
@@ -67,7 +65,6 @@ from memory import KVCache, MemoryFrames, RetentionPolicy, build_compressor, mak
 __all__ = ["Denoiser", "DenoiserError"]
 
 POS_EMBED_INIT_STD = 0.02  # learned 2-D position embedding, initialised small (as in ViT / DiT)
-LAST_POSE_HIDDEN = 64  # model.last_frame_pose: width of the MLP from the camera move to the scale and shift
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,14 +109,6 @@ class Denoiser(nn.Module):
         if self.last_frame_stem is not None:
             nn.init.zeros_(self.last_frame_stem.weight)
             nn.init.zeros_(self.last_frame_stem.bias)
-        # model.last_frame_pose: per window frame, a scale and shift (B,T,2*c0) of the last frame's features from
-        # the camera's move since that frame; the output layer starts at zero, so the features start unmodulated
-        self.last_frame_film = None
-        if mc.last_frame_pose:
-            self.last_frame_film = nn.Sequential(nn.Linear(4, LAST_POSE_HIDDEN), nn.SiLU(),
-                                                 nn.Linear(LAST_POSE_HIDDEN, 2 * unet[0]))
-            nn.init.zeros_(self.last_frame_film[-1].weight)
-            nn.init.zeros_(self.last_frame_film[-1].bias)
         token_in = unet[-1] if unet else mc.channels  # channels of the map that is patchified
         self.patch_embed = nn.Linear(token_in * mc.patch_size ** 2, d)
         self.pos_embed = nn.Parameter(torch.randn(1, 1, self.num_tokens, d) * POS_EMBED_INIT_STD)  # 2-D grid
@@ -190,25 +179,18 @@ class Denoiser(nn.Module):
         if window % c:
             raise DenoiserError(f"schedule window={window} is not a multiple of model.frames_per_chunk={c}")
 
-    def _embed_frames(self, x: torch.Tensor, cond: torch.Tensor, last: torch.Tensor | None = None,
-                      last_move: torch.Tensor | None = None) -> tuple[torch.Tensor, list | None]:
+    def _embed_frames(self, x: torch.Tensor, cond: torch.Tensor,
+                      last: torch.Tensor | None = None) -> tuple[torch.Tensor, list | None]:
         """(B,T,C,H,W) frames, (B,T,D) cond -> tokens (B,T,N,D) with the position embedding, and the
         encoder's skips (per level (B*T,c,h,w); None without conv levels). `last` (B,C,H,W): the most recent past
-        frame, given to every one of the T frames (model.last_frame_input; None = not available / not used);
-        `last_move` (B,T,3): each frame's pose relative to it (model.last_frame_pose; None = not used)."""
+        frame, given to every one of the T frames (model.last_frame_input; None = not available / not used)."""
         b, t, p = x.shape[0], x.shape[1], self.patch
         skips = None
         if self.encoder is not None:
             extra = None
             if last is not None:
                 e = self.last_frame_stem(last.to(x.dtype))  # (B,c0,H,W)
-                e = e[:, None].expand(b, t, *e.shape[1:])  # (B,T,c0,H,W)
-                if last_move is not None:
-                    fwd, left, dh = last_move.float().unbind(-1)  # (B,T) each
-                    feats = torch.stack([fwd, left, torch.sin(dh), torch.cos(dh) - 1], dim=-1)  # (B,T,4): 0 = no move
-                    scale, shift = self.last_frame_film(feats.to(x.dtype)).chunk(2, dim=-1)  # (B,T,c0) each
-                    e = e * (1 + scale[..., None, None]) + shift[..., None, None]  # (B,T,c0,H,W)
-                extra = e.flatten(0, 1)  # (B*T,c0,H,W)
+                extra = e[:, None].expand(b, t, *e.shape[1:]).flatten(0, 1)  # (B*T,c0,H,W)
             f, skips = self.encoder(x.flatten(0, 1), cond.flatten(0, 1), extra)  # (B*T,c,h,w)
             x = f.unflatten(0, (b, t))  # (B,T,c,h,w)
         x = rearrange(x, "b t c (h p1) (w p2) -> b t (h w) (p1 p2 c)", p1=p, p2=p)  # (B,T,N,p*p*c)
@@ -230,19 +212,6 @@ class Denoiser(nn.Module):
         if self.last_frame_stem is None or memory is None or len(memory) == 0:
             return None
         return memory.frames[:, -1]
-
-    def _last_pose(self, memory: MemoryFrames | None) -> torch.Tensor | None:
-        """The pose (B,3) of `_last_frame`'s frame for model.last_frame_pose; None when not used / not there."""
-        if self.last_frame_film is None or self._last_frame(memory) is None or memory.poses is None:
-            return None
-        return memory.poses[:, -1]
-
-    def _last_move(self, last_pose: torch.Tensor | None, target_poses: torch.Tensor | None) -> torch.Tensor | None:
-        """Window poses (B,T,3) relative to the last frame's (B,3): (forward, left, heading change); None if either
-        is missing (no memory, or a model without model.last_frame_pose)."""
-        if last_pose is None or target_poses is None:
-            return None
-        return relative_pose(target_poses.float(), last_pose.float())  # (B,T,3)
 
     def _cond(self, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         return self.level_embed(levels) + self.action_embed(actions)  # (B,T,D)
@@ -311,9 +280,8 @@ class Denoiser(nn.Module):
         b, t = x.shape[:2]
         cond = self._cond(levels, actions)  # (B,T,D)
         last = state.last_frame if state is not None else self._last_frame(memory)  # (B,C,H,W) or None
+        h, skips = self._embed_frames(x, cond, last)  # (B,T,N,D)
         target_poses = state.target_poses if state is not None else memory.target_poses if memory else None
-        last_pose = state.last_pose if state is not None else self._last_pose(memory)  # (B,3) or None
-        h, skips = self._embed_frames(x, cond, last, self._last_move(last_pose, target_poses))  # (B,T,N,D)
         if self.pose_aware and target_poses is not None:
             if target_poses.shape[:2] != (b, t):
                 raise DenoiserError(f"target_poses must be (B, T, 3) = {(b, t, 3)} for this window, got "
@@ -432,15 +400,13 @@ class Denoiser(nn.Module):
         after changing ``state.bank`` or ``state.target_poses`` yourself (the teacher-forced memory test does)."""
         if self.caches_committed_kv:
             if self.last_frame_stem is not None:
-                memory = state.bank.memory()
-                state.last_frame, state.last_pose = self._last_frame(memory), self._last_pose(memory)
+                state.last_frame = self._last_frame(state.bank.memory())
             return
         if self.pose_aware and state.target_poses is None:
             raise DenoiserError("a pose-aware model (memory.select=pose) chooses each window's memory by the "
                                 "window's poses: commit(..., target_poses=(B, w, 3))")
         memory = state.bank.memory(state.target_poses)
-        # exactly what an uncached call with this memory uses
-        state.last_frame, state.last_pose = self._last_frame(memory), self._last_pose(memory)
+        state.last_frame = self._last_frame(memory)  # exactly what an uncached call with this memory uses
         mem = memory_path.memory_tokens(self, memory, state.batch_size)
         if self.memory_prefix:
             for cache in state.caches:
