@@ -60,13 +60,15 @@ LAUNCHER = RECORD_WRITES + textwrap.dedent("""
 
 
 @pytest.mark.slow  # two processes importing torch and training: ~35 s on a 2-core CPU
-@pytest.mark.parametrize("grad_accum,memory", [(1, "time"), (2, "time"), (1, "pose")])  # 2: DDP's no_sync on
-def test_torchrun_two_cpu_ranks(tmp_path, grad_accum, memory):  # the first micro-batch, one all-reduce
-    data = write_episodes(tmp_path / "data", n_train=6, poses=memory == "pose")
+# grad_accum 2: DDP's no_sync on the first micro-batch, one all-reduce; pose_dropout: memory dropped in most steps
+# (the memory's own parameters then get no gradient in those steps)
+@pytest.mark.parametrize("grad_accum,memory", [(1, "time"), (2, "time"), (1, "pose"), (1, "pose_dropout")])
+def test_torchrun_two_cpu_ranks(tmp_path, grad_accum, memory):
+    data = write_episodes(tmp_path / "data", n_train=6, poses=memory != "time")
     (tmp_path / "writes").mkdir()
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
-    extra = POSE if memory == "pose" else []
+    extra = {"time": [], "pose": POSE, "pose_dropout": POSE + ["train.memory_dropout=0.9"]}[memory]
     overrides = [a for o in TINY + extra + ["train.max_steps=4", "train.ckpt_every=2", "train.val_every=2",
                                     "train.val_batches=2", "train.sample_every=4", f"train.grad_accum={grad_accum}"]
                  for a in ("--set", o)]
@@ -74,7 +76,7 @@ def test_torchrun_two_cpu_ranks(tmp_path, grad_accum, memory):  # the first micr
                WRITES_DIR=str(tmp_path / "writes"), FINAL_DIR=str(tmp_path / "final"),
                OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(launcher), "--preset", "tiny" if memory == "pose" else "tiny_time", "--data", str(data), "--out",
+           str(launcher), "--preset", "tiny_time" if memory == "time" else "tiny", "--data", str(data), "--out",
            str(tmp_path / "run"), "--device", "cpu", *overrides]
     proc = subprocess.run(cmd, check=False, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

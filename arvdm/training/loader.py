@@ -111,8 +111,9 @@ def make_dataset(cfg: Config, split: str, n_frames: int, random_start: bool = Tr
 
 def make_clips(cfg: Config, split: str, progress: bool = False) -> ClipDataset | PoseMemoryClips:
     """The clips training draws from: m + w consecutive frames (memory.select=time), or k frames chosen by pose
-    + r = m - k recent + w window frames (memory.select=pose, `PoseMemoryClips`)."""
-    mem, w = cfg.memory, cfg.train.window
+    + r = m - k recent + w window frames (memory.select=pose, `PoseMemoryClips`). With train.rollout_frames G the
+    window is G + w frames: the model generates the first G (`objective.rollout_context`)."""
+    mem, w = cfg.memory, cfg.train.window + cfg.train.rollout_frames
     if mem.select != "pose":
         return make_dataset(cfg, split, mem.length + w, progress=progress)
     clips = make_dataset(cfg, split, mem.length - mem.pose_frames + w, progress=progress)

@@ -101,6 +101,47 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
     return memory_frames(frames, actions, poses, ages, levels)
 
 
+@torch.no_grad()
+def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int, recent: int,
+                    rollout_frames: int, steps: int, generator: torch.Generator, autocast=contextlib.nullcontext,
+                    eta: float = 1.0, poses: torch.Tensor | None = None, ages: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A clip whose recent memory the model generated itself (Self-Forcing, Huang et al. 2025, for one chunk).
+
+    In: video (B, m+G+w, C, H, W), actions (B, m+G+w): m memory frames (k = m - `recent` chosen by pose, then
+    the r = `recent` most recent ones; r = m with time-chosen memory), G = `rollout_frames` frames, w window
+    frames; with pose-chosen memory also poses (B, m+G+w, 3) and ages (B, m), counted from the first of the G
+    frames (`PoseMemoryClips` with window G + w). `model` generates
+    the G frames from the clip's memory with their actions (one chunk, all frames from level K to 0 in `steps`
+    evenly spaced DDIM-eta steps, noise from `generator`), as a chunked rollout's AR step would. Out: the
+    diffusion-forcing clip (B, m+w) of the window with the memory it then has, actions (B, m+w) and the extras
+    ({"poses": (B, m+w, 3), "ages": (B, m)} or {}): with select=time the last m of [m memory + G generated]
+    frames; with select=pose the same k chosen frames (G older) and the last r of [r recent + G generated].
+    """
+    m, g, keep = memory_length, rollout_frames, recent
+    b = actions.shape[0]
+    k = m - keep  # frames chosen by pose (0 with time-chosen memory)
+    x = torch.randn((b, g, *video.shape[2:]), generator=generator, device=generator.device, dtype=video.dtype)
+    x = x.to(video.device)  # (B, G, C, H, W) at level K
+    grid = torch.linspace(diffusion.cfg.num_levels, 0, steps + 1).round().long().tolist()
+    mem = memory_frames(video[:, :m], actions[:, :m], None if poses is None else poses[:, :m + g], ages)
+    act = actions[:, m:m + g]  # (B, G)
+    for a, z in zip(grid[:-1], grid[1:]):
+        la = torch.full((b, g), a, dtype=torch.long, device=video.device)
+        with autocast():
+            v = model(x, la, act, memory=mem)  # (B, G, C, H, W)
+        x = diffusion.step(x, v.to(x.dtype), la, torch.full_like(la, z), eta, generator)
+    past = torch.cat([video[:, k:m], x], dim=1)  # (B, r+G, C, H, W): recent memory, then the generated frames
+    idx = list(range(k)) + list(range(m + g - keep, m + g))  # the memory after the G frames, in clip positions
+    new_video = torch.cat([video[:, :k], past[:, -keep:], video[:, m + g:]], dim=1)  # (B, m+w, C, H, W)
+    new_actions = torch.cat([actions[:, idx], actions[:, m + g:]], dim=1)  # (B, m+w)
+    extras: dict[str, torch.Tensor] = {}
+    if poses is not None:
+        extras["poses"] = torch.cat([poses[:, idx], poses[:, m + g:]], dim=1)  # (B, m+w, 3)
+        extras["ages"] = torch.cat([ages[:, :k] + g, ages[:, k:]], dim=1)  # the chosen are G frames older
+    return new_video, new_actions, extras
+
+
 def lr_factor(step: int, warmup: int, max_steps: int) -> float:
     """Linear warm-up to 1 over `warmup` steps, then cosine decay to MIN_LR_RATIO at `max_steps`."""
     if step < warmup:
