@@ -265,6 +265,7 @@ class TrainConfig:
     # and the window trains with the memory it would then have (its recent frames the model's own); 0 = off.
     rollout_frames: int = 0
     rollout_steps: int = 5
+    rollout_share: float = 1.0  # share of clips given the generated frames; the rest keep the real ones
 
     def validate(self) -> None:
         _check(self.window >= 1, "train.window", self.window, "must be >= 1")
@@ -284,6 +285,8 @@ class TrainConfig:
                "must be an integer >= 0 (0 = off)")
         _check(_is_int(self.rollout_steps) and self.rollout_steps >= 1, "train.rollout_steps", self.rollout_steps,
                "must be an integer >= 1")
+        _check(isinstance(self.rollout_share, (int, float)) and 0.0 < self.rollout_share <= 1.0,
+               "train.rollout_share", self.rollout_share, "must be in (0, 1]")
 
 
 HYBRID_SELECT = ("online", "offline", "fixed")

@@ -95,12 +95,29 @@ def test_generation_draws_from_the_given_generator_only():
     assert torch.equal(runs[0][:, m:], video[:, m + g:])  # the window is the real one whatever was generated
 
 
+def test_rollout_share_gives_each_clip_the_generated_or_the_real_frames_by_a_draw_after_the_generation():
+    m, g, w, n = 2, 2, 4, 16
+    gen_ = torch.Generator().manual_seed(5)
+    video = torch.rand(n, m + g + w, C, S, S, generator=gen_) * 2 - 1
+    actions = torch.randint(0, 6, (n, m + g + w), generator=gen_)
+    d = dif()
+    out = {share: rollout_context(KnownX0(d), d, video, actions, m, m, g, 2, torch.Generator().manual_seed(0),
+                                  eta=0.0, share=share)[0] for share in (1.0, 0.5)}
+    ref = torch.Generator().manual_seed(0)
+    torch.randn((n, g, C, S, S), generator=ref)  # the generation's only draw (eta 0)
+    own = torch.rand((n,), generator=ref) < 0.5  # then one draw per clip
+    assert 0 < int(own.sum()) < n
+    expect = torch.where(own[:, None, None, None, None], out[1.0][:, :m], video[:, g:m + g])  # generated | real
+    assert torch.equal(out[0.5][:, :m], expect) and torch.equal(out[0.5][:, m:], video[:, m + g:])
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["train.rollout_frames=-1"], "train.rollout_frames=-1 must be an integer >= 0"),
     (["train.rollout_frames=2", "train.rollout_steps=0"], "train.rollout_steps=0 must be an integer >= 1"),
     (["train.rollout_frames=2", "train.rollout_steps=101"], "train.rollout_steps=101 must be <= diffusion.num_levels"),
     (["train.rollout_frames=3", "model.frames_per_chunk=2", "train.window=4"],
      "train.rollout_frames=3 must be a multiple of model.frames_per_chunk=2"),
+    (["train.rollout_frames=2", "train.rollout_share=0"], r"train.rollout_share=0.0 must be in \(0, 1\]"),
     (["train.rollout_frames=2", "memory.select=pose", "memory.length=2", "memory.pose_frames=2"],
      "needs recent memory frames to hold the generated ones"),
 ])

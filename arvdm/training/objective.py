@@ -104,8 +104,8 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
 @torch.no_grad()
 def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int, recent: int,
                     rollout_frames: int, steps: int, generator: torch.Generator, autocast=contextlib.nullcontext,
-                    eta: float = 1.0, poses: torch.Tensor | None = None, ages: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                    eta: float = 1.0, poses: torch.Tensor | None = None, ages: torch.Tensor | None = None,
+                    share: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """A clip whose recent memory the model generated itself (Self-Forcing, Huang et al. 2025, for one chunk).
 
     In: video (B, m+G+w, C, H, W), actions (B, m+G+w): m memory frames (k = m - `recent` chosen by pose, then
@@ -117,6 +117,8 @@ def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor
     diffusion-forcing clip (B, m+w) of the window with the memory it then has, actions (B, m+w) and the extras
     ({"poses": (B, m+w, 3), "ages": (B, m)} or {}): with select=time the last m of [m memory + G generated]
     frames; with select=pose the same k chosen frames (G older) and the last r of [r recent + G generated].
+    `share` < 1: each clip keeps the generated frames with that probability (a draw per clip from `generator`,
+    after the generation's; none when 1), the others the real G frames, as a rollout's first window has them.
     """
     m, g, keep = memory_length, rollout_frames, recent
     b = actions.shape[0]
@@ -131,6 +133,9 @@ def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor
         with autocast():
             v = model(x, la, act, memory=mem)  # (B, G, C, H, W)
         x = diffusion.step(x, v.to(x.dtype), la, torch.full_like(la, z), eta, generator)
+    if share < 1.0:  # (B,) clips that keep the generated frames; the others take the real ones
+        own = torch.rand((b,), generator=generator, device=generator.device).to(video.device) < share
+        x = torch.where(own[:, None, None, None, None], x, video[:, m:m + g])
     past = torch.cat([video[:, k:m], x], dim=1)  # (B, r+G, C, H, W): recent memory, then the generated frames
     idx = list(range(k)) + list(range(m + g - keep, m + g))  # the memory after the G frames, in clip positions
     new_video = torch.cat([video[:, :k], past[:, -keep:], video[:, m + g:]], dim=1)  # (B, m+w, C, H, W)

@@ -226,7 +226,7 @@ class Trainer:
         model.eval()
         out = rollout_context(model, self.diffusion, video, actions, self.m, self.cfg.memory.recent_frames,
                               tc.rollout_frames, tc.rollout_steps, generator, self.autocast,
-                              eta=self.cfg.diffusion.eta, **extras)
+                              eta=self.cfg.diffusion.eta, share=tc.rollout_share, **extras)
         model.train(was_training)
         return out
 
