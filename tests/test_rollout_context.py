@@ -119,18 +119,12 @@ def test_rollout_share_gives_each_clip_the_generated_or_the_real_frames_by_a_dra
      "train.rollout_frames=3 must be a multiple of model.frames_per_chunk=2"),
     (["train.rollout_frames=2", "train.rollout_share=0"], r"train.rollout_share=0.0 must be in \(0, 1\]"),
     (["train.rollout_frames=2", "memory.select=pose", "memory.length=2", "memory.pose_frames=2"],
-     "needs recent memory frames to hold the generated ones"),
+     "needs recent memory frames for the generated ones"),
 ])
 def test_bad_rollout_config_is_refused_naming_the_key(overrides, match):
     cfg = apply_overrides(get_preset("tiny_time"), [f"diffusion.num_levels={K}", *overrides])
     with pytest.raises(ConfigError, match=match):
         cfg.validate()
-
-
-def test_recent_frames_of_each_selection():
-    cfg = get_preset("tiny")  # 6 memory frames, 4 chosen by pose
-    assert cfg.memory.recent_frames == 2
-    assert get_preset("tiny_time").memory.recent_frames == get_preset("tiny_time").memory.length == 4
 
 
 def test_trainer_trains_the_window_on_generated_memory(tmp_path, monkeypatch):

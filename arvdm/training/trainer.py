@@ -224,7 +224,9 @@ class Trainer:
         tc = self.cfg.train
         was_training = model.training
         model.eval()
-        out = rollout_context(model, self.diffusion, video, actions, self.m, self.cfg.memory.recent_frames,
+        mem = self.cfg.memory
+        recent = self.m - (mem.pose_frames if mem.select == "pose" else 0)  # all m with time-chosen memory
+        out = rollout_context(model, self.diffusion, video, actions, self.m, recent,
                               tc.rollout_frames, tc.rollout_steps, generator, self.autocast,
                               eta=self.cfg.diffusion.eta, share=tc.rollout_share, **extras)
         model.train(was_training)
