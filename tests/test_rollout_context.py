@@ -14,6 +14,7 @@ from test_training import POSE, ROLLOUT, tiny_cfg, write_episodes
 import arvdm.training.trainer as trainer_module
 from arvdm.config import ConfigError, apply_overrides, get_preset
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.schedules.presets import chunked
 from arvdm.training.objective import rollout_context
 
 K = 100
@@ -52,8 +53,8 @@ def test_pose_clip_keeps_the_chosen_frames_and_takes_the_generated_ones_as_recen
     ages = torch.tensor([[9, 2, 1], [5, 2, 1]])
     d, model = dif(), None
     model = KnownX0(d)
-    new_video, new_actions, extras = rollout_context(model, d, video, actions, m, r, g, 4, torch.Generator(),
-                                                     eta=eta, poses=poses, ages=ages)
+    new_video, new_actions, extras = rollout_context(model, d, video, actions, m, r, chunked(g, K, 4),
+                                                     torch.Generator(), eta=eta, poses=poses, ages=ages)
     gen = 0.5 * video[:, 2:3] + 0.01 * actions[:, 3:5, None, None, None].float()  # (B, 2, C, H, W), by hand
     torch.testing.assert_close(new_video[:, 1:3], gen, atol=1e-5, rtol=0)
     assert torch.equal(new_video[:, :1], video[:, :1]) and torch.equal(new_video[:, 3:], video[:, 5:])
@@ -72,7 +73,8 @@ def test_time_clip_with_fewer_generated_frames_than_memory_keeps_the_newest_real
     m, g, w = 2, 1, 4
     video, actions, _ = clip(m + g + w, seed=1)
     d = dif()
-    new_video, new_actions, extras = rollout_context(KnownX0(d), d, video, actions, m, m, g, 3, torch.Generator())
+    new_video, new_actions, extras = rollout_context(KnownX0(d), d, video, actions, m, m, chunked(g, K, 3),
+                                                     torch.Generator())
     gen = 0.5 * video[:, 1:2] + 0.01 * actions[:, 2:3, None, None, None].float()
     assert extras == {} and new_video.shape[1] == m + w
     assert torch.equal(new_video[:, :1], video[:, 1:2]) and torch.equal(new_video[:, 2:], video[:, 3:])
@@ -89,7 +91,8 @@ def test_generation_draws_from_the_given_generator_only():
         def __call__(self, x, levels, actions, memory=None):
             return torch.zeros_like(x)
 
-    runs = [rollout_context(Zero(), d, video, actions, m, m, g, 3, torch.Generator().manual_seed(s), eta=1.0)[0]
+    runs = [rollout_context(Zero(), d, video, actions, m, m, chunked(g, K, 3), torch.Generator().manual_seed(s),
+                            eta=1.0)[0]
             for s in (0, 0, 1)]
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     assert torch.equal(runs[0][:, m:], video[:, m + g:])  # the window is the real one whatever was generated
@@ -101,8 +104,8 @@ def test_rollout_share_gives_each_clip_the_generated_or_the_real_frames_by_a_dra
     video = torch.rand(n, m + g + w, C, S, S, generator=gen_) * 2 - 1
     actions = torch.randint(0, 6, (n, m + g + w), generator=gen_)
     d = dif()
-    out = {share: rollout_context(KnownX0(d), d, video, actions, m, m, g, 2, torch.Generator().manual_seed(0),
-                                  eta=0.0, share=share)[0] for share in (1.0, 0.5)}
+    out = {share: rollout_context(KnownX0(d), d, video, actions, m, m, chunked(g, K, 2),
+                                  torch.Generator().manual_seed(0), eta=0.0, share=share)[0] for share in (1.0, 0.5)}
     ref = torch.Generator().manual_seed(0)
     torch.randn((n, g, C, S, S), generator=ref)  # the generation's only draw (eta 0)
     own = torch.rand((n,), generator=ref) < 0.5  # then one draw per clip

@@ -22,6 +22,7 @@ import torch
 
 from arvdm.config import TrainConfig
 from arvdm.model.checkpoint import unwrap
+from arvdm.schedules.matrix import ARSchedule
 from memory import MemoryFrames
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
@@ -103,7 +104,7 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
 
 @torch.no_grad()
 def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int, recent: int,
-                    rollout_frames: int, steps: int, generator: torch.Generator, autocast=contextlib.nullcontext,
+                    schedule: ARSchedule, generator: torch.Generator, autocast=contextlib.nullcontext,
                     eta: float = 1.0, poses: torch.Tensor | None = None, ages: torch.Tensor | None = None,
                     share: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """A clip whose recent memory the model generated itself (Self-Forcing, Huang et al. 2025, for one chunk).
@@ -111,28 +112,27 @@ def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor
     In: video (B, m+G+w, C, H, W), actions (B, m+G+w): m memory frames (k = m - `recent` chosen by pose, then
     the r = `recent` most recent ones; r = m with time-chosen memory), G = `rollout_frames` frames, w window
     frames; with pose-chosen memory also poses (B, m+G+w, 3) and ages (B, m), counted from the first of the G
-    frames (`PoseMemoryClips` with window G + w). `model` generates
-    the G frames from the clip's memory with their actions (one chunk, all frames from level K to 0 in `steps`
-    evenly spaced DDIM-eta steps, noise from `generator`), as a chunked rollout's AR step would. Out: the
+    frames (`PoseMemoryClips` with window G + w). `model` generates the G frames from the clip's memory with their
+    actions through the rows of `schedule` (a `chunked` schedule of window G: one AR step, K to 0; DDIM-eta
+    transitions, noise from `generator`), as a chunked rollout's AR step does. Out: the
     diffusion-forcing clip (B, m+w) of the window with the memory it then has, actions (B, m+w) and the extras
     ({"poses": (B, m+w, 3), "ages": (B, m)} or {}): with select=time the last m of [m memory + G generated]
     frames; with select=pose the same k chosen frames (G older) and the last r of [r recent + G generated].
     `share` < 1: each clip keeps the generated frames with that probability (a draw per clip from `generator`,
     after the generation's; none when 1), the others the real G frames, as a rollout's first window has them.
     """
-    m, g, keep = memory_length, rollout_frames, recent
+    m, g, keep = memory_length, schedule.window, recent
     b = actions.shape[0]
     k = m - keep  # frames chosen by pose (0 with time-chosen memory)
     x = torch.randn((b, g, *video.shape[2:]), generator=generator, device=generator.device, dtype=video.dtype)
     x = x.to(video.device)  # (B, G, C, H, W) at level K
-    grid = torch.linspace(diffusion.cfg.num_levels, 0, steps + 1).round().long().tolist()
+    rows = torch.tensor(schedule.matrix, device=video.device)[:, None].expand(-1, b, g)  # (M+1, B, G) levels
     mem = memory_frames(video[:, :m], actions[:, :m], None if poses is None else poses[:, :m + g], ages)
     act = actions[:, m:m + g]  # (B, G)
-    for a, z in zip(grid[:-1], grid[1:]):
-        la = torch.full((b, g), a, dtype=torch.long, device=video.device)
+    for la, lb in zip(rows[:-1], rows[1:]):
         with autocast():
             v = model(x, la, act, memory=mem)  # (B, G, C, H, W)
-        x = diffusion.step(x, v.to(x.dtype), la, torch.full_like(la, z), eta, generator)
+        x = diffusion.step(x, v.to(x.dtype), la, lb, eta, generator)
     if share < 1.0:  # (B,) clips that keep the generated frames; the others take the real ones
         own = torch.rand((b,), generator=generator, device=generator.device).to(video.device) < share
         x = torch.where(own[:, None, None, None, None], x, video[:, m:m + g])
