@@ -243,7 +243,7 @@ class TrainConfig:
     ckpt_every: int = 250
     keep_checkpoints: int = 2
     seed: int = 0
-    bf16: bool = True  # autocast on CUDA only
+    bf16: bool = True  # bf16 autocast where native: CUDA, a CPU with AVX512-BF16/AMX (arvdm.runtime.native_bf16)
     dist_timeout_s: float = 600.0  # DDP: a rank waiting this long on the others (one died or hung) gives up
     find_unused_parameters: bool = False  # DDP: a loss leaving some parameter unused (on with memory_dropout > 0)
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step (exact: one batch of grad_accum x)

@@ -1,17 +1,19 @@
-"""Training throughput: steps/s, frames/s and MFU of the diffusion-forcing step, eager vs torch.compile.
+"""Training throughput: steps/s, frames/s and MFU of the diffusion-forcing step: fp32, as configured, compiled.
 
-    python benchmarks/train_speed.py                          # tiny, on this machine's CPU, eager vs compiled
-    python benchmarks/train_speed.py --modes eager            # eager only (no compile time)
+    python benchmarks/train_speed.py                          # tiny, this CPU: fp32 vs as configured (bf16 if native)
+    python benchmarks/train_speed.py --modes eager compiled   # eager vs torch.compile (minutes of compile time)
     python benchmarks/train_speed.py --preset paper --device cuda --peak-tflops 989   # bf16 on an H100/H200
 
-Each mode is the real Trainer's `train_step` (forward, backward, AdamW, EMA; bf16 autocast on CUDA when
-train.bf16) on a few batches of a small synthetic data set, loaded once and cycled (the cost of a step does
-not depend on the pixels; the loader is measured by benchmarks/data_throughput.py). Warm-up steps (where
-torch.compile compiles) are untimed; then the modes take turns, `--steps` steps per turn for `--rounds`
-rounds, and each reports its median turn, so load on a shared machine hits both alike. FLOPs per step are
-counted once with torch.utils.flop_counter (matmuls, convolutions, attention; forward + backward), which
-gives achieved TFLOP/s and, with --peak-tflops (or a known GPU), MFU. frames/s counts window frames
-(the ones with a loss): batch_size x window per step; memory frames are extra input on top.
+Each mode is the real Trainer's `train_step` (forward, backward, AdamW, EMA): `eager` as configured (bf16
+autocast when train.bf16 and the device has native bf16: CUDA, a CPU with AVX512-BF16/AMX), `fp32` the same
+with train.bf16 off, `compiled` as configured under torch.compile; on a few batches of a small synthetic data
+set, loaded once and cycled (the cost of a step does not depend on the pixels; the loader is measured by
+benchmarks/data_throughput.py). Warm-up steps (where torch.compile compiles) are untimed; then the modes take
+turns, `--steps` steps per turn for `--rounds` rounds, and each reports its median turn, so load on a shared
+machine hits them alike. FLOPs per step are counted once with torch.utils.flop_counter (matmuls, convolutions,
+attention; forward + backward), which gives achieved TFLOP/s and, with --peak-tflops (or a known GPU), MFU.
+frames/s counts window frames (the ones with a loss): batch_size x window per step; memory frames are extra
+input on top.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arvdm.config import apply_overrides, get_preset
+from arvdm.runtime import native_bf16
 from arvdm.training.loader import collate
 from arvdm.training.objective import diffusion_forcing_loss
 from arvdm.training.trainer import Trainer
@@ -49,11 +52,15 @@ def synthetic_data(root: Path, cfg, episodes: int = 4) -> Path:
         (root / split).mkdir(parents=True, exist_ok=True)
         for e in range(episodes):
             video = rng.integers(0, 256, (length, size, size, 3), dtype=np.uint8)
+            pose = np.cumsum(rng.normal(0.0, 0.1, (length, 3)), axis=0).astype(np.float32)  # for pose memory
             write_episode(root / split / f"ep{e:04d}.npz", video,
-                          rng.integers(0, min(6, cfg.model.num_actions), length))
+                          rng.integers(0, min(6, cfg.model.num_actions), length), pose)
     return root
 
 
+# mode -> overrides on the preset: as configured (bf16 where native), bf16 off, as configured and compiled
+MODES = {"eager": ["train.compile=false"], "fp32": ["train.compile=false", "train.bf16=false"],
+         "compiled": ["train.compile=true"]}
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense, no sparsity
 
 
@@ -85,7 +92,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    p.add_argument("--modes", nargs="+", default=["fp32", "eager"], choices=MODES)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (compilation happens here)")
     p.add_argument("--steps", type=int, default=5, help="steps per turn")
     p.add_argument("--rounds", type=int, default=3, help="turns per mode")
@@ -101,7 +108,7 @@ def main() -> None:
         base.train.ckpt_every = 10 ** 9
         trainers = {}
         for mode in args.modes:
-            cfg = apply_overrides(copy.deepcopy(base), [f"train.compile={'true' if mode == 'compiled' else 'false'}"])
+            cfg = apply_overrides(copy.deepcopy(base), MODES[mode])
             trainers[mode] = Trainer(cfg.validate(), Path(tmp) / f"run_{mode}", device=args.device)
         first = next(iter(trainers.values()))
         loader = torch.utils.data.DataLoader(first.train_ds, batch_sampler=first.sampler, collate_fn=collate)
@@ -133,7 +140,7 @@ def main() -> None:
     frames = cfg.train.batch_size * cfg.train.window
     print(f"preset {cfg.preset} {' '.join(args.overrides)}".strip())
     print(f"  device {dev}{' ' + torch.cuda.get_device_name(dev) if dev.type == 'cuda' else ''}, torch threads "
-          f"{torch.get_num_threads()}, bf16 autocast {cfg.train.bf16 and dev.type == 'cuda'}, "
+          f"{torch.get_num_threads()}, bf16 autocast as configured {cfg.train.bf16 and native_bf16(dev)}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     print(f"  {n_params / 1e6:.2f}M params, {cfg.model.image_size}px, patch {cfg.model.patch_size}, batch "
           f"{cfg.train.batch_size} x ({cfg.memory.length} memory + {cfg.train.window} window) frames, "
@@ -148,9 +155,11 @@ def main() -> None:
     print(f"{'mode':<9} {'warm-up s':>9} {'steps/s':>8} {'frames/s':>9} {'TFLOP/s':>8} {'MFU':>6}")
     for r in rows:
         print(f"{r[0]:<9} {r[1]:>9} {r[2]:>8} {r[3]:>9} {r[4]:>8} {r[5]:>6}")
-    if len(trainers) == 2:
-        e, c = (statistics.median(turns[m]) for m in ("eager", "compiled"))
-        print(f"compiled / eager speed: {e / c:.2f}x (median of {args.rounds} alternating turns of {args.steps} steps)")
+    reference = args.modes[0]
+    for mode in args.modes[1:]:
+        ratio = statistics.median(turns[reference]) / statistics.median(turns[mode])
+        print(f"{mode} / {reference} speed: {ratio:.2f}x "
+              f"(median of {args.rounds} alternating turns of {args.steps} steps)")
     if peak:
         print(f"  MFU against {peak:g} TFLOP/s peak")
 

@@ -49,6 +49,7 @@ from arvdm.model.checkpoint import (
 )
 from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.runtime import native_bf16
 from arvdm.schedules.presets import chunked
 from arvdm.training.distributed import (
     DistInfo,
@@ -147,7 +148,7 @@ class Trainer:
         self.ema = EMA(self.model, self.cfg.train.ema_decay)
 
     def _wrap_for_training(self) -> None:
-        """`self.net`: the model compiled and/or wrapped in DDP; `self.autocast`: bf16 on CUDA when asked."""
+        """`self.net`: the model compiled and/or wrapped in DDP; `self.autocast`: bf16 where native, when asked."""
         tc = self.cfg.train
         # torch.compile first, then DDP (as nanoGPT does); `unwrap` finds the plain module under both.
         self.net = torch.compile(self.model) if tc.compile else self.model
@@ -157,9 +158,11 @@ class Trainer:
                 # memory dropout leaves the memory's own parameters (pose tags, last-frame stem, cross-attention)
                 # without gradient in the steps that drop it: DDP must look for unused parameters then
                 find_unused_parameters=tc.find_unused_parameters or tc.memory_dropout > 0)
-        use_bf16 = tc.bf16 and self.device.type == "cuda"
-        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 \
-            else contextlib.nullcontext
+        kind = self.device.type
+        if tc.bf16 and native_bf16(self.device):
+            self.autocast = lambda: torch.autocast(kind, dtype=torch.bfloat16)
+        else:
+            self.autocast = contextlib.nullcontext
 
     # -- one step ------------------------------------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]
