@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arvdm.config import apply_overrides, get_preset
 from arvdm.runtime import native_bf16
-from arvdm.training.loader import collate
+from arvdm.training.loader import collate, pose_memory
 from arvdm.training.objective import diffusion_forcing_loss
 from arvdm.training.trainer import Trainer
 from data.episodes import write_episode
@@ -82,7 +82,7 @@ def count_step_flops(trainer: Trainer, batch: dict) -> int:
     with FlopCounterMode(display=False) as counter:
         video, actions = trainer._to_device(batch)
         total, count = diffusion_forcing_loss(model, trainer.diffusion, video, actions, trainer.m, trainer.K, g,
-                                              trainer.autocast)
+                                              trainer.autocast, **pose_memory(batch, trainer.device))
         (total / count.clamp(min=1)).backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()

@@ -49,7 +49,7 @@ from arvdm.model.checkpoint import (
 )
 from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.runtime import native_bf16
+from arvdm.runtime import bf16_autocast, native_bf16
 from arvdm.schedules.presets import chunked
 from arvdm.training.distributed import (
     DistInfo,
@@ -158,11 +158,8 @@ class Trainer:
                 # memory dropout leaves the memory's own parameters (pose tags, last-frame stem, cross-attention)
                 # without gradient in the steps that drop it: DDP must look for unused parameters then
                 find_unused_parameters=tc.find_unused_parameters or tc.memory_dropout > 0)
-        kind = self.device.type
-        if tc.bf16 and native_bf16(self.device):
-            self.autocast = lambda: torch.autocast(kind, dtype=torch.bfloat16)
-        else:
-            self.autocast = contextlib.nullcontext
+        device = self.device
+        self.autocast = (lambda: bf16_autocast(device)) if tc.bf16 and native_bf16(device) else contextlib.nullcontext
 
     # -- one step ------------------------------------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]
