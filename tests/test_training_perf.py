@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -164,3 +165,24 @@ def test_bf16_step_is_close_to_fp32_but_not_equal(tmp_path, data, monkeypatch):
         l16, _ = bf16.train_step(batch)
     assert float(l16) != float(l32)
     torch.testing.assert_close(l16, l32, rtol=3e-2, atol=1e-4)
+
+
+def test_cpu_bf16_autocast_takes_the_math_attention_path():
+    """On the CPU, bf16 attention runs on PyTorch's math path (its flash kernel is slower in bf16 than in fp32
+    at these lengths): the profiler must see no flash-attention op inside `bf16_autocast`, and see one outside."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from arvdm.runtime import bf16_autocast
+
+    q = torch.randn(2, 2, 16, 8, dtype=torch.bfloat16)
+
+    def ops(ctx):
+        with profile(activities=[ProfilerActivity.CPU]) as prof, ctx:
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        return out, {e.key for e in prof.key_averages()}
+
+    out, inside = ops(bf16_autocast("cpu"))
+    _, outside = ops(contextlib.nullcontext())
+    assert not any("flash" in k for k in inside) and any("flash" in k for k in outside)
+    torch.testing.assert_close(out.float(), torch.nn.functional.scaled_dot_product_attention(
+        q.float(), q.float(), q.float()), rtol=2e-2, atol=2e-2)
