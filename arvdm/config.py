@@ -22,7 +22,7 @@ import torch
 
 from arvdm.errors import ArvdmError
 from arvdm.presets import PRESETS  # the named presets' overrides (data only)
-from memory.select import SELECTIONS  # how a pose-aware run may choose memory at sampling
+from memory.select import SELECTIONS, recent_frames  # how a pose-aware run may choose memory at sampling
 
 
 class ConfigError(ArvdmError):
@@ -339,8 +339,8 @@ class Config:
                tc.context_noise_max, f"must be an integer in 0..diffusion.num_levels-1 = 0..{k_max} (0 = clean memory)")
         g, c, mem = tc.rollout_frames, self.model.frames_per_chunk, self.memory
         _check(g % c == 0, "train.rollout_frames", g, f"must be a multiple of model.frames_per_chunk={c}")
-        recent = mem.length - (mem.pose_frames if mem.select == "pose" else 0)  # memory frames that are the latest
-        _check(not g or recent >= 1, "train.rollout_frames", g, "needs recent memory frames for the generated ones")
+        _check(not g or recent_frames(mem.length, mem.pose_frames, mem.select) >= 1, "train.rollout_frames", g,
+               "needs recent memory frames for the generated ones")
         _check(not g or tc.rollout_steps <= k_max + 1, "train.rollout_steps", tc.rollout_steps,
                f"must be <= diffusion.num_levels={k_max + 1}")
         return self

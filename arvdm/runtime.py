@@ -29,7 +29,6 @@ def setup_environment() -> dict[str, str]:
     return {key: os.environ[key] for key in THREAD_ENVIRONMENT}
 
 
-
 def native_bf16(device) -> bool:
     """Whether `device` computes bf16 natively, so that bf16 autocast speeds training up rather than down.
 

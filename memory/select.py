@@ -101,6 +101,11 @@ def select_by_pose(candidates: torch.Tensor, targets: torch.Tensor, k: int) -> t
     return torch.stack(picks, dim=1).sort(dim=1).values  # (B, k)
 
 
+def recent_frames(length: int, pose_frames: int, select: str) -> int:
+    """How many of a window's m memory frames are the most recent past ones: all m by time, m - k by pose."""
+    return length - (pose_frames if select == "pose" else 0)
+
+
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x (B, F, ...) at per-sample indices idx (B, n) -> (B, n, ...)."""
     shape = idx.shape + x.shape[2:]

@@ -153,3 +153,12 @@ def test_trainer_trains_the_window_on_generated_memory(tmp_path, monkeypatch):
     t.fit()
     assert seen["generated_by"] == [t.ema.model, t.ema.model]  # the EMA weights generate, one call per step
     assert seen["loss_frames"][:2] == [m + w, m + w]
+
+
+def test_recent_frames_of_each_selection():
+    from memory.select import recent_frames
+
+    mem = get_preset("tiny").memory  # 6 memory frames, 4 chosen by pose
+    assert recent_frames(mem.length, mem.pose_frames, mem.select) == 2
+    mem = get_preset("tiny_time").memory  # 4 frames by time: all of them are the most recent
+    assert recent_frames(mem.length, mem.pose_frames, mem.select) == mem.length == 4
