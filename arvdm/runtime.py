@@ -40,7 +40,8 @@ def native_bf16(device) -> bool:
     kind = torch.device(device).type
     if kind == "cuda":
         return True
-    return kind == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: a torch upgrade may move it
+    return kind == "cpu" and supported is not None and bool(supported())
 
 
 @contextlib.contextmanager

@@ -186,3 +186,14 @@ def test_cpu_bf16_autocast_takes_the_math_attention_path():
     assert not any("flash" in k for k in inside) and any("flash" in k for k in outside)
     torch.testing.assert_close(out.float(), torch.nn.functional.scaled_dot_product_attention(
         q.float(), q.float(), q.float()), rtol=2e-2, atol=2e-2)
+
+
+def test_native_bf16_asks_onednn_on_the_cpu_and_says_no_when_it_cannot_ask(monkeypatch):
+    import types
+
+    from arvdm.runtime import native_bf16
+
+    assert native_bf16("cuda") is True
+    assert native_bf16("cpu") is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())  # a torch without the (private) query
+    assert native_bf16("cpu") is False
