@@ -103,6 +103,8 @@ class Lockstep:
             self._since = time.perf_counter()
 
     def _hand_over(self, name: str, keep: bool) -> None:  # with the lock held
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # charge queued GPU work to the workload that queued it
         self.spent[name] += time.perf_counter() - self._since
         i = self._order.index(name)
         if not keep:
