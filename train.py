@@ -1,6 +1,7 @@
 """Train an auto-regressive video diffusion model (diffusion forcing, with memory).
 
-One CPU (the `tiny` preset; generates a small Memory Maze data set first if datasets/memory_maze_32_mixed is absent):
+One CPU (the `tiny` preset; generates a small Memory Maze data set first if datasets/memory_maze_32_mixed is absent,
+then trains as 2 data-parallel ranks of one thread each, train.cpu_ranks; --set train.cpu_ranks=1 for one process):
     python train.py
 One GPU:
     python train.py --preset paper --data datasets/memory_maze --out runs/paper
@@ -26,6 +27,8 @@ Then: python sample.py --run runs/tiny
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,6 +93,30 @@ def build_config(args: argparse.Namespace):
     return cfg.validate(), out
 
 
+def launches_cpu_ranks(cfg, device: str | None) -> bool:
+    """Whether this call launches train.cpu_ranks ranks: training on the CPU, more than one rank asked for,
+    and not already a rank (torchrun sets RANK)."""
+    import torch
+
+    on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    return on_cpu and cfg.train.cpu_ranks > 1 and "RANK" not in os.environ
+
+
+def run_cpu_ranks(cfg, argv: list[str], generate_data: bool) -> int:
+    """Run this script as cfg.train.cpu_ranks ranks of one thread each under torchrun (gloo); returns its exit
+    status. The data set is generated here first, with every core, rather than by one rank while the others wait."""
+    from arvdm.training.loader import prepare_data
+
+    if generate_data:
+        prepare_data(cfg)
+    n = cfg.train.cpu_ranks
+    print(f"train.py: {n} CPU ranks of one thread each (train.cpu_ranks; batch_size {cfg.train.batch_size} per rank)",
+          file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           str(Path(__file__).resolve()), *argv]
+    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+
+
 def main(argv=None) -> int:
     setup_environment()  # before torch loads: OpenMP reads it once
     args = parse_args(argv)
@@ -99,6 +126,8 @@ def main(argv=None) -> int:
 
     try:
         cfg, out = build_config(args)
+        if launches_cpu_ranks(cfg, args.device):
+            return run_cpu_ranks(cfg, sys.argv[1:] if argv is None else argv, generate_data=not args.data)
         # Data is generated only for the default stand-in folder; an explicit --data must exist.
         train(cfg, out, resume=args.resume, generate_data=not args.data, device=args.device)
     except DistributedError as e:  # another rank died or hung: say so instead of a traceback or a hang

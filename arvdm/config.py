@@ -245,6 +245,9 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = True  # bf16 autocast where native: CUDA, a CPU with AVX512-BF16/AMX (arvdm.runtime.native_bf16)
     dist_timeout_s: float = 600.0  # DDP: a rank waiting this long on the others (one died or hung) gives up
+    # data-parallel ranks of one thread each that `python train.py` launches on a CPU (torchrun, gloo); each takes
+    # batch_size, like a GPU rank. Faster than one process on all cores for small models (docs/training.md)
+    cpu_ranks: int = 1
     find_unused_parameters: bool = False  # DDP: a loss leaving some parameter unused (on with memory_dropout > 0)
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step (exact: one batch of grad_accum x)
     compile: bool = False  # torch.compile the denoiser for training (a GPU speed-up; slow first steps)
@@ -260,16 +263,13 @@ class TrainConfig:
     rollout_share: float = 1.0  # share of clips given the generated frames; the rest keep the real ones
 
     def validate(self) -> None:
-        _check(self.window >= 1, "train.window", self.window, "must be >= 1")
-        _check(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
+        for key in ("window", "batch_size", "max_steps", "keep_checkpoints", "grad_accum", "cpu_ranks"):
+            _check(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "must be >= 1")
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
-        _check(self.max_steps >= 1, "train.max_steps", self.max_steps, "must be >= 1")
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
         _check(self.loss_weight in ("uniform", "min_snr"), "train.loss_weight", self.loss_weight,
                "must be uniform or min_snr")
         _check(self.min_snr_gamma > 0, "train.min_snr_gamma", self.min_snr_gamma, "must be > 0")
-        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
-        _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
         _check(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s, "must be > 0 seconds")
         _check(isinstance(self.memory_dropout, (int, float)) and 0.0 <= self.memory_dropout < 1.0,
                "train.memory_dropout", self.memory_dropout, "must be in [0, 1) (the share of steps without memory)")

@@ -27,9 +27,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data.generate_episodes": 48, "data.generate_policy": "mixed",
         "train.window": 4, "train.batch_size": 8, "train.lr": 2e-3, "train.warmup_steps": 100,
         "train.ema_decay": 0.995,
-        # 1,600 steps keep the main job within 20 min from a fresh clone on a 2-core CPU with bf16 (train.bf16,
-        # native on CPUs with AVX512-BF16/AMX: ~1.4x faster steps); 1,100 in fp32 (1,500 fp32 steps took 24 min)
-        "train.max_steps": 1600, "train.val_every": 800, "train.ckpt_every": 800, "train.sample_every": 1600,
+        # two CPU ranks of batch 8 (global batch 16) for 1,050 steps: the main job's ~13 min of training on a 2-core
+        # CPU with bf16 (train.bf16, native on CPUs with AVX512-BF16/AMX); against one process at batch 8 for 1,600
+        # steps in about the same time, +0.8 to +1.4 dB over generated frames 17-120 (benchmarks/RESULTS.md)
+        "train.cpu_ranks": 2, "train.max_steps": 1050, "train.val_every": 525, "train.ckpt_every": 525,
+        "train.sample_every": 1050,
         # the issue-21 levers (benchmarks/RESULTS.md): context frames noised up to level 100 in training, generated
         # frames committed at level 20 when sampling; memory dropped in 10% of the steps (history guidance)
         "train.context_noise_max": 100, "diffusion.context_level": 20, "train.memory_dropout": 0.1,
@@ -42,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Without the levers and with the old step count: exactly the time-based main job the earlier measurements used.
     "tiny_time": {"memory.length": 4, "memory.select": "time", "memory.pose_frames": 0,
                   "train.context_noise_max": 0, "diffusion.context_level": 0, "train.memory_dropout": 0.0,
-                  "model.last_frame_input": False,
+                  "model.last_frame_input": False, "train.cpu_ranks": 1,
                   "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500},
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {
