@@ -17,7 +17,7 @@ Overrides (any Config key, repeatable):
 Hybrid-attention fine-tune (the lazy layers of RUN/lazy_ratios.json train with streaming masks):
     python train.py --out RUN --resume --max-steps 600 --set hybrid.fraction=0.5 --set hybrid.select=offline
 Rollout-trained fine-tune (the EMA model generates each clip's recent memory frames; docs/training.md):
-    cp -r runs/tiny runs/tiny_ft && python train.py --out runs/tiny_ft --resume --max-steps 2000 \
+    cp -r runs/tiny runs/tiny_ft && python train.py --out runs/tiny_ft --resume --max-steps 1450 \
         --set train.rollout_frames=4
 
 Writes to --out: checkpoints/step_NNNNNNN/ (last two kept), log.csv, samples/step_NNNNNNN.mp4.

@@ -29,7 +29,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train.ema_decay": 0.995,
         # two CPU ranks of batch 8 (global batch 16) for 1,050 steps: the main job's ~13 min of training on a 2-core
         # CPU with bf16 (train.bf16, native on CPUs with AVX512-BF16/AMX); against one process at batch 8 for 1,600
-        # steps in about the same time, +0.8 to +1.4 dB over generated frames 17-120 (benchmarks/RESULTS.md)
+        # steps in about the same time, +0.8 / +1.1 dB over generated frames 17-64 of fresh random-action / mixed
+        # episodes, paired (benchmarks/RESULTS.md)
         "train.cpu_ranks": 2, "train.max_steps": 1050, "train.val_every": 525, "train.ckpt_every": 525,
         "train.sample_every": 1050,
         # the issue-21 levers (benchmarks/RESULTS.md): context frames noised up to level 100 in training, generated

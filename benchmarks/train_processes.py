@@ -4,7 +4,8 @@
     python benchmarks/train_processes.py --procs 2 4 --steps 80 --rounds 3
 
 Both sides train the same global batch (the preset's train.batch_size; each of P ranks takes batch_size / P)
-with the real `train.py`, the ranks under `torchrun --standalone` (DDP over gloo), on a small synthetic data set.
+with the real `train.py` (one process: train.cpu_ranks=1), the ranks under `torchrun --standalone` (DDP over
+gloo), on a small synthetic data set.
 Intra-op threads share a small model's many small ops badly (on the 2-core development CPU two threads gave
 ~1.2-1.45x one), while ranks of one thread each run whole steps side by side and pay one gradient all-reduce
 per step. Each run's speed is taken from its log.csv between the first logged step at or after `--skip` and its
@@ -70,7 +71,7 @@ def main() -> None:
                 if name == "1 process":
                     env["OMP_NUM_THREADS"] = str(threads)
                     cmd = [sys.executable, "train.py"]
-                    extra = []
+                    extra = ["--set", "train.cpu_ranks=1"]  # tiny launches 2 ranks by itself otherwise
                 else:
                     n = int(name.split()[0])
                     env["OMP_NUM_THREADS"] = "1"
