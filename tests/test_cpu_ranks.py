@@ -74,3 +74,16 @@ def test_python_train_py_trains_as_two_ranks(monkeypatch, tmp_path):
     state = torch.load(tmp_path / "run/checkpoints/step_0000002/state.pt", weights_only=True)
     assert state["data"]["world_size"] == 2 and len(state["rng"]) == 2
     assert state["data"]["position"] == 2 * 2 * state["data"]["batch_size"]
+
+
+def test_in_process_training_says_it_is_one_process(tmp_path):
+    """`arvdm.training.train` (the experiment grids call it) trains in the calling process: with cpu_ranks > 1
+    it warns instead of silently training another global batch than `python train.py` would."""
+    from arvdm.training import train as train_in_process
+
+    data = write_episodes(tmp_path / "data", n_train=4, poses=False)
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={data}", "train.max_steps=1",
+                                                           "train.cpu_ranks=2"]).validate()
+    with pytest.warns(UserWarning, match="cpu_ranks=2 is launched by train.py"):
+        train_in_process(cfg, tmp_path / "run", device="cpu")
+    assert (tmp_path / "run/checkpoints/step_0000001").is_dir()

@@ -28,6 +28,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -448,6 +449,9 @@ def train(cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *, gene
     node; the others wait), so a fresh machine needs nothing but `python train.py`.
     """
     info = setup_distributed(device, cfg.train.dist_timeout_s)
+    if cfg.train.cpu_ranks > 1 and not info.enabled and info.device.type == "cpu":
+        warnings.warn(f"train.cpu_ranks={cfg.train.cpu_ranks} is launched by train.py's command line; this call "
+                      f"trains in one process at batch {cfg.train.batch_size}", stacklevel=2)
     try:
         if generate_data and not (resume and _found_elsewhere(cfg, run_dir)):
             if info.local_rank == 0:
