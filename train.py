@@ -93,13 +93,10 @@ def build_config(args: argparse.Namespace):
     return cfg.validate(), out
 
 
-def launches_cpu_ranks(cfg, device: str | None) -> bool:
-    """Whether this call launches train.cpu_ranks ranks: training on the CPU, more than one rank asked for,
-    and not already a rank (torchrun sets RANK)."""
-    import torch
-
-    on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-    return on_cpu and cfg.train.cpu_ranks > 1 and "RANK" not in os.environ
+def launches_cpu_ranks(cfg, device) -> bool:
+    """Whether this call launches train.cpu_ranks ranks: training on the CPU (`device`, a torch.device as
+    `parse_device` resolves --device), more than one rank asked for, and not already a rank (torchrun sets RANK)."""
+    return device.type == "cpu" and cfg.train.cpu_ranks > 1 and "RANK" not in os.environ
 
 
 def run_cpu_ranks(cfg, argv: list[str], generate_data: bool) -> int:
@@ -121,12 +118,13 @@ def main(argv=None) -> int:
     setup_environment()  # before torch loads: OpenMP reads it once
     args = parse_args(argv)
     # Imported after setup_environment() (torch reads it once) and after parsing, so that --help is instant.
+    from arvdm.config import parse_device
     from arvdm.errors import USER_ERRORS
     from arvdm.training import DistributedError, train
 
     try:
         cfg, out = build_config(args)
-        if launches_cpu_ranks(cfg, args.device):
+        if launches_cpu_ranks(cfg, parse_device(args.device)):
             return run_cpu_ranks(cfg, sys.argv[1:] if argv is None else argv, generate_data=not args.data)
         # Data is generated only for the default stand-in folder; an explicit --data must exist.
         train(cfg, out, resume=args.resume, generate_data=not args.data, device=args.device)

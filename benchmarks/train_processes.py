@@ -61,19 +61,19 @@ def main() -> None:
     common = ["--preset", args.preset, "--max-steps", str(args.steps), *sum((["--set", o] for o in args.overrides), []),
               "--set", "train.val_every=0", "--set", "train.sample_every=0", "--set", "train.log_every=10",
               "--set", f"train.ckpt_every={10 ** 9}"]
-    speeds: dict[str, list[float]] = {"1 process": [], **{f"{n} ranks": [] for n in args.procs}}
+    ranks = {"1 process": 1, **{f"{n} ranks": n for n in args.procs}}  # configuration -> ranks
+    speeds: dict[str, list[float]] = {name: [] for name in ranks}
     with tempfile.TemporaryDirectory() as tmp:
         data = synthetic_data(Path(tmp) / "data", cfg, episodes=8)
         for r in range(args.rounds):
-            for name in speeds:
-                out = Path(tmp) / f"run_{r}_{name.replace(' ', '_')}"
+            for name, n in ranks.items():
+                out = Path(tmp) / f"run_{r}_{n}"
                 env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-                if name == "1 process":
+                if n == 1:
                     env["OMP_NUM_THREADS"] = str(threads)
                     cmd = [sys.executable, "train.py"]
                     extra = ["--set", "train.cpu_ranks=1"]  # tiny launches 2 ranks by itself otherwise
                 else:
-                    n = int(name.split()[0])
                     env["OMP_NUM_THREADS"] = "1"
                     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                            "train.py"]

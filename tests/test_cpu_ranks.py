@@ -35,7 +35,7 @@ def test_launches_only_on_the_cpu_outside_torchrun(monkeypatch, device, ranks, i
         monkeypatch.setenv("RANK", "0")
     else:
         monkeypatch.delenv("RANK", raising=False)
-    assert train.launches_cpu_ranks(cfg, device) is expected
+    assert train.launches_cpu_ranks(cfg, torch.device(device)) is expected
 
 
 @pytest.mark.parametrize("with_data", [False, True])
