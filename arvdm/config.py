@@ -112,9 +112,6 @@ class ModelConfig:
     # the U-Net's input channels): a zero-initialised conv of it is added to the first conv's output, so details
     # the 8x8 tokens cannot carry reach the decoder. Needs conv levels (unet_channels) and memory.length >= 1.
     last_frame_input: bool = False
-    # The last frame as the prior mean of x0 (needs last_frame_input): v = F - sigma_k * last, so x0 = sqrt(abar) x_k
-    # - sigma F + sigma^2 last -- the network predicts the change from the last frame (0 when the view is still).
-    last_frame_prior: bool = False
 
     @property
     def token_grid(self) -> int:
@@ -143,9 +140,6 @@ class ModelConfig:
                "must be true or false")
         _check(not self.last_frame_input or bool(self.unet_channels), "model.last_frame_input", self.last_frame_input,
                "needs conv levels (model.unet_channels, e.g. [32, 64]): the last frame enters through the first conv")
-        prior = self.last_frame_prior
-        _check(prior is False or (prior is True and self.last_frame_input is True), "model.last_frame_prior", prior,
-               "must be true or false, and true needs model.last_frame_input=true")
         patch_values = self.patch_size ** 2 * self.channels
         if self.dim < patch_values and not self.unet_channels:
             warnings.warn(f"model.dim={self.dim} is smaller than the {patch_values} values of a "

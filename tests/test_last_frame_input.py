@@ -4,9 +4,6 @@ It is the memory's last frame (banks and training clips put the recent frames la
 zero-initialised conv added to the encoder stem's output, and is absent whenever memory is (memory dropout,
 history guidance's memory-free call). A fresh model computes exactly what the same weights without it compute;
 cached rollouts (which keep the last committed frame in the state) equal recomputing ones; the loss trains it.
-
-model.last_frame_prior makes the same frame x0's prior mean: v = F - sigma_k * last (residual diffusion), so a
-fresh network (F = 0) predicts x0 = sqrt(abar) x_k + sigma^2 last, exactly the last frame at pure noise.
 """
 
 import pytest
@@ -138,59 +135,3 @@ def test_bad_config_is_refused_naming_the_key(overrides, match):
         except ConfigError as e:
             assert match in str(e)
             raise
-
-
-def test_last_frame_prior_is_an_exact_offset_of_v():
-    """Same weights with and without the prior: v differs by exactly -sigma_k * last at every level; without
-    memory (dropout, guidance's memory-free call) nothing changes."""
-    with_prior = make("model.last_frame_prior=true")
-    plain = make()
-    assert set(with_prior.state_dict()) == set(plain.state_dict())  # no new weights; the sigma table is a buffer
-    plain.load_state_dict(with_prior.state_dict())
-    (mem, mem_a), (x, a) = clip(4, seed=1), clip(2, seed=2)
-    levels = torch.tensor([[K, 1], [K // 2, 0]])  # pure noise, the lowest level, a middle one, clean
-    sigma = (1 - PerFrameDiffusion(plain.cfg.diffusion).alpha_bar(levels)).sqrt().float()  # (B,2)
-    with torch.no_grad():
-        out = with_prior(x, levels, a, memory=MemoryFrames(mem, mem_a))
-        ref = plain(x, levels, a, memory=MemoryFrames(mem, mem_a))
-        assert torch.allclose(out, ref - sigma[..., None, None, None] * mem[:, -1:], atol=1e-6)
-        assert (out - ref).abs().max() > 0.5  # the offset is not negligible
-        assert torch.equal(with_prior(x, levels, a), plain(x, levels, a))
-
-
-def test_fresh_prior_model_predicts_the_last_frame_from_pure_noise():
-    model = Denoiser(cfg_of("model.last_frame_prior=true")).eval()  # zero-initialised output conv: F = 0
-    diff = PerFrameDiffusion(model.cfg.diffusion)
-    (mem, mem_a), (x, a) = clip(4, seed=1), clip(2, seed=2)
-    for level in (K, K // 2, 3):
-        levels = torch.full((B, 2), level)
-        with torch.no_grad():
-            v = model(x, levels, a, memory=MemoryFrames(mem, mem_a))
-        ab = diff.alpha_bar(levels).float()[..., None, None, None]
-        x0 = ab.sqrt() * x - (1 - ab).sqrt() * v
-        assert torch.allclose(x0, ab.sqrt() * x + (1 - ab) * mem[:, -1:], atol=1e-5)  # the posterior mean of N(last, 1)
-    assert (x0 - mem[:, -1:]).abs().mean() > 0.1  # at a low level x_k dominates, not the prior
-    levels = torch.full((B, 2), K)
-    with torch.no_grad():
-        v = model(x, levels, a, memory=MemoryFrames(mem, mem_a))
-    ab = diff.alpha_bar(levels).float()[..., None, None, None]
-    assert (ab.sqrt() * x - (1 - ab).sqrt() * v - mem[:, -1:]).abs().max() < 0.02  # ~ the last frame at level K
-
-
-@pytest.mark.parametrize("k_ctx", [0, 15])
-def test_last_frame_prior_cached_equals_recomputed(k_ctx):
-    model = make("model.last_frame_prior=true", "memory.structure=prepend", "memory.retention=all")
-    sched = fifo(4, K, 1).with_context_level(k_ctx)
-    ctx, ctx_a = clip(2, seed=3)
-    _, act = clip(9, seed=4)
-
-    def run(use_cache):
-        return rollout(model, PerFrameDiffusion(model.cfg.diffusion), sched, ctx, ctx_a, act, 9, progress=False,
-                       eta=0.5, generator=torch.Generator().manual_seed(1), use_cache=use_cache)
-
-    assert (run(True) - run(False)).abs().max() < 1e-5
-
-
-def test_last_frame_prior_needs_the_last_frame_input():
-    with pytest.raises(ConfigError, match="model.last_frame_prior.*needs model.last_frame_input"):
-        tiny_cfg("model.last_frame_prior=true").validate()

@@ -60,7 +60,6 @@ from arvdm.model.layers import Block, FinalLayer, LevelEmbedding, PoseTags, Rota
 from arvdm.model.memory_path import DenoiserError
 from arvdm.model.state import RolloutState
 from arvdm.model.unet import ConvDecoder, ConvEncoder
-from arvdm.model.diffusion import PerFrameDiffusion
 from memory import KVCache, MemoryFrames, RetentionPolicy, build_compressor, make_bank, relative_pose
 
 __all__ = ["Denoiser", "DenoiserError"]
@@ -110,9 +109,6 @@ class Denoiser(nn.Module):
         if self.last_frame_stem is not None:
             nn.init.zeros_(self.last_frame_stem.weight)
             nn.init.zeros_(self.last_frame_stem.bias)
-        # model.last_frame_prior: sigma_k = sqrt(1 - abar_k) of every level 0..K (K+1,), for v = F - sigma_k * last
-        prior = (1 - PerFrameDiffusion(cfg.diffusion).alphas_bar).sqrt().float() if mc.last_frame_prior else None
-        self.register_buffer("prior_sigma", prior, persistent=False)
         token_in = unet[-1] if unet else mc.channels  # channels of the map that is patchified
         self.patch_embed = nn.Linear(token_in * mc.patch_size ** 2, d)
         self.pos_embed = nn.Parameter(torch.randn(1, 1, self.num_tokens, d) * POS_EMBED_INIT_STD)  # 2-D grid
@@ -326,14 +322,7 @@ class Denoiser(nn.Module):
         h, _ = self._run(h, cond, pos, pasts=pasts, n_prefix=n_prefix, prefix_chunk=prefix_chunk,
                          cross_kv=cross_kv)
         h = h[:, n_prefix:]  # the window's tokens only (B,T,N,D)
-        v = self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C,H,W)
-        if self.prior_sigma is not None and last is not None:
-            # the last frame as x0's prior mean: the network's output F is the v of (x0 - last) -- residual diffusion
-            # -- and v = F - sigma_k * last, so x0 = sqrt(abar_k) x_k - sigma_k F + sigma_k^2 last (-> last - F at pure
-            # noise). Without memory (dropout, guidance's memory-free call) the prior is 0, as without the flag.
-            sigma = self.prior_sigma[levels].to(v.dtype)[..., None, None, None]  # (B,T,1,1,1)
-            v = v - sigma * last[:, None].to(v.dtype)  # (B,T,C,H,W)
-        return v
+        return self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C,H,W)
 
     # -- cached rollout ----------------------------------------------------------------------------
     def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None,
