@@ -37,9 +37,9 @@ def steps_per_s(log: Path, skip: int) -> float:
     """Global steps per second between the first logged step >= skip and the last logged step."""
     rows = [(int(r["step"]), float(r["elapsed_s"])) for r in csv.DictReader(log.open())]
     rows = [r for r in rows if r[0] >= skip]
-    (s0, t0), (s1, t1) = rows[0], rows[-1]
-    if s1 <= s0:
+    if len(rows) < 2 or rows[-1][0] <= rows[0][0]:
         raise SystemExit(f"{log}: too few logged steps after --skip {skip}; raise --steps")
+    (s0, t0), (s1, t1) = rows[0], rows[-1]
     return (s1 - s0) / (t1 - t0)
 
 
