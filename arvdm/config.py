@@ -165,6 +165,7 @@ class MemoryConfig:
     pose_frames: int = 0  # k (select=pose): memory frames chosen by pose, 1..length
     bank_size: int = 1024  # select=pose: frames a rollout keeps per sample to choose from (redundant views dropped)
     match_share: float = 0.5  # select=pose: share of training windows with an earlier matching view (oversampled)
+    stop_share: float = 0.0  # select=pose: share of training windows where the agent comes to a stop (oversampled)
 
     def validate(self) -> None:
         _check(self.structure in MEMORY_STRUCTURES, "memory.structure",
@@ -197,7 +198,8 @@ class MemoryConfig:
                    f"must be in 1..memory.length={self.length} with memory.select=pose")
             _check(self.bank_size >= self.length, "memory.bank_size", self.bank_size,
                    f"must be >= memory.length={self.length}")
-            _check(0.0 <= self.match_share < 1.0, "memory.match_share", self.match_share, "must be in [0, 1)")
+            _check(0.0 <= self.match_share and 0.0 <= self.stop_share and self.match_share + self.stop_share < 1.0,
+                   "memory.match_share/stop_share", (self.match_share, self.stop_share), "must be >= 0, sum < 1")
             _check(self.compressor == "none" and self.retention == "last", "memory.compressor/retention",
                    (self.compressor, self.retention), "must be none/last with memory.select=pose (the window's "
                    "memory is chosen per window; compressed or streaming banks are not supported with it)")
@@ -219,9 +221,8 @@ class DataConfig:
 
     def validate(self) -> None:
         _check(self.env in ("memory_maze", "crafter"), "data.env", self.env, "must be memory_maze or crafter")
-        _check(self.frame_skip >= 1, "data.frame_skip", self.frame_skip, "must be >= 1")
-        _check(self.generate_seed >= 0, "data.generate_seed", self.generate_seed, "must be >= 0")
-        _check(self.resize >= 0, "data.resize", self.resize, "must be >= 0")
+        for key, low in (("frame_skip", 1), ("generate_seed", 0), ("resize", 0)):
+            _check(getattr(self, key) >= low, f"data.{key}", getattr(self, key), f"must be >= {low}")
 
 
 @dataclass
@@ -311,9 +312,8 @@ class HybridConfig:
                                                       for i in self.layers)
                and len(set(self.layers)) == len(self.layers), "hybrid.layers", self.layers,
                "must be a list of distinct layer indices >= 0, e.g. [0, 2]")
-        _check(self.sink >= 0, "hybrid.sink", self.sink, "must be >= 0")
-        _check(self.recent >= 1, "hybrid.recent", self.recent, "must be >= 1")
-        _check(self.last_frames >= 1, "hybrid.last_frames", self.last_frames, "must be >= 1")
+        for key, low in (("sink", 0), ("recent", 1), ("last_frames", 1)):
+            _check(getattr(self, key) >= low, f"hybrid.{key}", getattr(self, key), f"must be >= {low}")
 
 
 @dataclass

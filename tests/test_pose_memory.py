@@ -16,7 +16,7 @@ from arvdm.schedules.presets import get_schedule
 from arvdm.training import pose_clips
 from arvdm.training.objective import diffusion_forcing_loss
 from arvdm.training.pose_clips import PoseMemoryClips
-from data.dataset import ClipDataset
+from data.dataset import ClipDataset, DatasetError
 from data.episodes import write_episode
 from memory import MemoryBank, PoseBank, SelectionError, make_bank, relative_pose, select_by_pose
 
@@ -103,7 +103,8 @@ def test_pose_bank_errors():
 
 def test_config_checks_pose_memory():
     for key, value in (("memory.pose_frames", 9), ("memory.pose_frames", 0), ("memory.bank_size", 2),
-                       ("memory.match_share", 1.0), ("memory.select", "place")):
+                       ("memory.match_share", 1.0), ("memory.select", "place"), ("memory.stop_share", -0.1),
+                       ("memory.stop_share", 0.5)):  # with match_share 0.5 nothing is left for the other windows
         with pytest.raises(ConfigError, match=key.split(".")[1]):
             apply_overrides(get_preset("tiny"), [f"{key}={value}"]).validate()
     with pytest.raises(SamplingError, match="--memory-select"):
@@ -212,6 +213,36 @@ def test_pose_memory_clips_choose_matching_views_and_oversample_them(tmp_path, m
     monkeypatch.setattr(pose_clips, "DISTRACTOR_SHARE", 1.0)  # one slot holds a random older frame instead
     assert not torch.equal(ds[len(ds) - 1]["pose"][:4], item["pose"][:4])
     assert torch.equal(ds[len(ds) - 1]["video"], ds[len(ds) - 1]["video"])  # an item is a function of its index
+
+
+def _write_stop_and_go_episodes(root, n=3, length=48):
+    """Walk along +x for 12 frames (0.25 cells a frame), stand still for 12, and again; random pixels."""
+    rng = np.random.default_rng(1)
+    for e in range(n):
+        moving = (np.arange(length) // 12) % 2 == 0
+        x = 1.5 + np.concatenate([[0.0], np.cumsum(0.25 * moving[1:])])
+        pose = np.stack([x, np.full(length, 1.5 + e), np.zeros(length)], -1).astype(np.float32)
+        video = rng.integers(0, 255, (length, 8, 8, 3), dtype=np.uint8)
+        write_episode(root / f"ep{e:03d}.npz", video, rng.integers(0, 6, length), pose)
+
+
+def test_pose_memory_clips_oversample_windows_where_the_agent_stops(tmp_path):
+    _write_stop_and_go_episodes(tmp_path)
+    clips = ClipDataset(tmp_path, n_frames=2 + 4, progress=False, video_dtype="uint8")
+    plain = PoseMemoryClips(clips, pose_frames=4, window=4, match_share=0.0, seed=0)
+    ds = PoseMemoryClips(clips, pose_frames=4, window=4, match_share=0.0, seed=0, stop_share=0.5)
+    windows = [(e, s) for e in range(3) for s in range(4, 48 - 6 + 1)]
+    # stop_share 0: every window once, in index order (the index of a run without the option)
+    assert plain.entries.tolist() == [list(w) for w in windows] and plain.n_stopping == plain.n_matching == 0
+    # a stop: moving into the last recent frame (s + 1), still at some window frame (s + 2 .. s + 5)
+    speed = np.r_[0.0, np.full(47, 0.25) * ((np.arange(1, 48) // 12) % 2 == 0)]
+    stops = [(e, s) for e, s in windows if speed[s + 1] > 0.05 and speed[s + 2:s + 6].min() < 0.01]
+    assert ds.n_stopping == len(stops) > 0 and ds.n_other == len(windows) - len(stops)
+    assert sorted({tuple(w) for w in ds.entries[ds.n_other:].tolist()}) == stops  # the oversampled copies
+    share = ds.n_stopping * ds.stop_repeat / len(ds)
+    assert ds.stop_repeat > 1 and abs(share - 0.5) < 0.1  # a minority oversampled to about half
+    with pytest.raises(DatasetError, match="stop_share"):
+        PoseMemoryClips(clips, pose_frames=4, window=4, match_share=0.6, seed=0, stop_share=0.4)
 
 
 def test_loss_with_pose_memory_reads_poses_and_ages():

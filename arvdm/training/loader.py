@@ -118,7 +118,7 @@ def make_clips(cfg: Config, split: str, progress: bool = False) -> ClipDataset |
         return make_dataset(cfg, split, mem.length + w, progress=progress)
     clips = make_dataset(cfg, split, mem.length - mem.pose_frames + w, progress=progress)
     try:
-        return PoseMemoryClips(clips, mem.pose_frames, w, mem.match_share, seed=cfg.train.seed)
+        return PoseMemoryClips(clips, mem.pose_frames, w, mem.match_share, cfg.train.seed, mem.stop_share)
     except DatasetError as e:
         raise TrainingError(f"memory.select=pose: {e}") from e
 

@@ -1,6 +1,6 @@
 """Training clips whose memory is chosen by pose, as a rollout chooses it (memory.select=pose).
 
-    ds = PoseMemoryClips(clips, pose_frames=4, match_share=0.5, seed=0)   # clips: ClipDataset of r + w frames
+    ds = PoseMemoryClips(clips, pose_frames=4, window=4, match_share=0.5, seed=0)  # clips: r + w frames
     item = ds[i]   # video (k+r+w, C, H, W), actions (k+r+w,), pose (k+r+w, 3), ages (k+r,)
 
 With time-based memory a clip is m + w consecutive frames, and a memory frame almost never shows something
@@ -16,11 +16,18 @@ recent frame is) are oversampled to `match_share` of the index; in a DISTRACTOR_
 holds a random older frame instead, so the model also sees memory frames it must not copy and learns from the
 pose tags when a memory frame is relevant.
 
+Windows where the agent comes to a stop (it moves at the last recent frame, pose speed > MOVING, and is still,
+speed < STILL, at some window frame: Memory Maze's agent coasts for 2-3 frames after its last move) can be
+oversampled to `stop_share` of the index: about 5% of the mixed data's windows, where a random exploration agent
+stops far more often (issue 21). A window that is both keeps its place among the matching ones.
+
 Items are a pure function of the index (the distractor draw is seeded by (seed, index)), so the trainer's
 resumable sampler restarts the stream exactly.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -35,6 +42,8 @@ __all__ = ["PoseMemoryClips"]
 # an earlier frame this close in position (cells) and heading shows (nearly) the same view: the revisit rule
 MATCH_POSITION, MATCH_HEADING = DEFAULT_POS_TOL, DEFAULT_HEADING_TOL
 DISTRACTOR_SHARE = 0.25  # clips with one chosen slot replaced by a random older frame
+# pose speed per frame (cells moved + radians turned): a walking agent moves ~0.25 cells and turns ~0.3 rad a frame
+MOVING, STILL = 0.05, 0.01
 
 
 class PoseMemoryClips(Dataset):
@@ -43,12 +52,15 @@ class PoseMemoryClips(Dataset):
     Args:
         clips: a `ClipDataset` of r + w consecutive frames (frame_skip 1, episodes with poses).
         pose_frames: k, memory frames chosen by pose from before the recent ones.
+        window: w (the rest of the clip's frames, r = n_frames - w, are the recent memory frames).
         match_share: share of the index given to windows with an earlier matching view (0 = no oversampling).
         seed: seeds the distractor draws.
-        window: w (the rest of the clip's frames, r = n_frames - w, are the recent memory frames).
+        stop_share: share of the index given to windows where the agent comes to a stop (0 = no oversampling:
+            they stay among the others, and the index is the one without this argument).
     """
 
-    def __init__(self, clips: ClipDataset, pose_frames: int, window: int, match_share: float = 0.5, seed: int = 0):
+    def __init__(self, clips: ClipDataset, pose_frames: int, window: int, match_share: float = 0.5, seed: int = 0,
+                 stop_share: float = 0.0):
         if not clips.has_pose:
             raise DatasetError(f"{clips.split_dir}: memory.select=pose needs episodes with a 'pose' array")
         if clips.frame_skip != 1:
@@ -59,19 +71,28 @@ class PoseMemoryClips(Dataset):
         self.r = clips.n_frames - self.w
         if self.r < 0 or self.k < 1:
             raise DatasetError(f"PoseMemoryClips: need pose_frames >= 1 and clips of >= window={self.w} frames")
-        matching, other = self._index()
-        if not matching and not other:
+        if not (0 <= match_share and 0 <= stop_share and match_share + stop_share < 1):
+            raise DatasetError(f"PoseMemoryClips: match_share={match_share} and stop_share={stop_share} must be "
+                               ">= 0 with a sum < 1")
+        matching, stopping, other = self._index()
+        if stop_share == 0:  # not a group of their own: back among the others, in index order
+            other, stopping = sorted(other + stopping), []
+        if not matching and not stopping and not other:
             raise DatasetError(f"{clips.split_dir}: no episode is long enough for {self.k} chosen + "
                                f"{clips.n_frames} consecutive frames")
-        repeat = 1
-        if matching and other and match_share > 0:  # copies of each matching window to reach match_share
-            repeat = max(1, round(match_share / (1 - match_share) * len(other) / len(matching)))
-        self.entries = np.array(other + matching * repeat, dtype=np.int64).reshape(-1, 2)  # (N, 2) episode, start
+        rest = 1 - match_share - stop_share  # copies of each group's windows to reach its share of the index:
+        # n_group * repeat = share / rest * n_other
+        repeat, stop_repeat = ((max(1, round(share / rest * len(other) / len(group))) if group and other and share > 0
+                                else 1) for group, share in ((matching, match_share), (stopping, stop_share)))
+        entries = other + stopping * stop_repeat + matching * repeat
+        self.entries = np.array(entries, dtype=np.int64).reshape(-1, 2)  # (N, 2) episode, start
         self.n_matching, self.n_other, self.repeat = len(matching), len(other), repeat
+        self.n_stopping, self.stop_repeat = len(stopping), stop_repeat
 
-    def _index(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """(episode, start) of every clip, split by whether its window has an earlier matching view."""
-        matching, other = [], []
+    def _index(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """(episode, start) of every clip, split into windows with an earlier matching view, windows where the
+        agent comes to a stop, and the others."""
+        matching, stopping, other = [], [], []
         n = self.clips.n_frames
         for e, length in enumerate(self.clips.lengths.tolist()):
             if length < self.k + n:
@@ -80,13 +101,17 @@ class PoseMemoryClips(Dataset):
             match = pose_match_matrix(pose, MATCH_POSITION, MATCH_HEADING).numpy()  # (T, T): i shows what j shows
             seen = np.concatenate([np.zeros((length, 1), np.int64), match.cumsum(axis=1)], axis=1)  # (T, T+1)
             rows = np.arange(length)
+            step = pose[1:] - pose[:-1]  # (T-1, 3)
+            turn = (step[:, 2] + math.pi).remainder(2 * math.pi) - math.pi
+            speed = np.concatenate([[0.0], (step[:, :2].norm(dim=1) + turn.abs()).numpy()])  # (T,): into frame t
             for s in range(self.k, length - n + 1):
                 # window frame t needs memory: a frame older than the recent ones (< s) matches it and none of
                 # the recent ones (s..s+r-1) does (the window's frames are generated together)
                 t = rows[s + self.r:s + n]
                 needs = (seen[t, s] > 0) & (seen[t, s + self.r] - seen[t, s] == 0)
-                (matching if needs.any() else other).append((e, s))
-        return matching, other
+                stops = self.r > 0 and speed[s + self.r - 1] > MOVING and speed[t].min() < STILL
+                (matching if needs.any() else stopping if stops else other).append((e, s))
+        return matching, stopping, other
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -113,4 +138,4 @@ class PoseMemoryClips(Dataset):
     def __repr__(self) -> str:
         return (f"PoseMemoryClips({self.clips.split_dir}: {len(self):,} clips; k={self.k} chosen + r={self.r} "
                 f"recent + w={self.w}; {self.n_matching:,} windows with an earlier matching view x{self.repeat}, "
-                f"{self.n_other:,} without)")
+                f"{self.n_stopping:,} where the agent stops x{self.stop_repeat}, {self.n_other:,} others)")
