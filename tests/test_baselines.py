@@ -8,7 +8,7 @@ import torch
 
 from arvdm.evaluation.baselines import baseline_frames, compare_with_baselines, gradient_ratio_by_span, verdict
 from arvdm.evaluation.evaluate import evaluate_rollout
-from arvdm.evaluation.metrics import spatial_gradient_per_frame, write_metrics_csv
+from arvdm.evaluation.metrics import PSNR_CAP, spatial_gradient_per_frame, write_metrics_csv
 
 
 def _constant_video(values, c=3, h=12, w=12):
@@ -77,6 +77,19 @@ def test_verdict_flags_a_model_that_loses_or_is_noisy():
     noisy = verdict(first(22.0, 20.0), 3.0)
     assert not noisy["sharp"] and "NOISY" in noisy["message"]
     assert "BLURRY" in verdict(first(22.0, 20.0), 0.3)["message"]
+
+
+def test_first_frames_clip_an_exact_copy_last_at_the_psnr_cap():
+    # episode 0: the agent stands still (copy-last exact, PSNR inf); episode 1: it moves. A model 0.02 off on
+    # the first and exact on the second beats copy-last's 60 + 20 dB once inf is clipped; without the clip the
+    # mean would be inf and no model could ever beat it.
+    real = torch.cat([_constant_video([0.1, 0.2, 0.2, 0.2]), _constant_video([0.0, 0.0, 0.2, 0.4])])
+    gen = torch.cat([_constant_video([0.22, 0.22]), _constant_video([0.2, 0.4])])
+    r = compare_with_baselines(gen, real, context=2, span=1)
+    copy, model = r["first_frames"]["copy_last"]["psnr"]["1"], r["first_frames"]["model"]["psnr"]["1"]
+    assert copy == pytest.approx((PSNR_CAP + _psnr(0.2 ** 2)) / 2, abs=1e-3)
+    assert model == pytest.approx((_psnr(0.02 ** 2) + PSNR_CAP) / 2, abs=1e-3)  # its exact frame clipped too
+    assert r["verdict"]["beats_copy_last"] and math.isfinite(r["verdict"]["copy_last_psnr"])
 
 
 def test_evaluate_rollout_reports_baselines_and_a_copying_model_ties_copy_last():

@@ -16,8 +16,9 @@ from arvdm.evaluation.evaluate import (
     to_jsonable,
     write_eval_json,
 )
-from arvdm.evaluation.holdup import PSNR_CAP, hold_up, hold_up_horizon, span_differences
+from arvdm.evaluation.holdup import hold_up, hold_up_horizon, span_differences
 from arvdm.evaluation.metrics import (
+    PSNR_CAP,
     frechet_distance,
     fvd,
     lpips_per_frame,

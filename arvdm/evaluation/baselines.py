@@ -21,7 +21,13 @@ from typing import Any
 
 from torch import Tensor
 
-from arvdm.evaluation.metrics import psnr_per_frame, spatial_gradient_per_frame, ssim_per_frame, summarise_by_span
+from arvdm.evaluation.metrics import (
+    PSNR_CAP,
+    psnr_per_frame,
+    spatial_gradient_per_frame,
+    ssim_per_frame,
+    summarise_by_span,
+)
 
 __all__ = ["BASELINES", "FIRST_FRAMES", "SHARPNESS_FRAMES", "SHARP_RANGE", "VERDICT_FRAMES", "baseline_frames",
            "compare_with_baselines", "first_frames_mean", "gradient_ratio_by_span", "verdict"]
@@ -85,7 +91,9 @@ def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 
         gen: (B, N, C, H, W) generated frames (the first generated frame first), in [-1, 1].
         real: (B, context + N, C, H, W) ground truth, context included.
     Returns:
-        A JSON-ready dict: ``first_frames`` (PSNR/SSIM of model and baselines over the first 1/4/16 frames),
+        A JSON-ready dict: ``first_frames`` (PSNR/SSIM of model and baselines over the first 1/4/16 frames;
+        per-frame PSNR clipped at ``PSNR_CAP`` first, so that an episode where the agent stands still, whose
+        copy-last frames are exact, counts as 60 dB instead of making the mean, and the verdict, infinite),
         ``baselines`` (per baseline: psnr_by_span, ssim_by_span, psnr_curve, ssim_curve),
         ``gradient_ratio_by_span``, ``gradient_ratio_curve`` (per frame, over all episodes),
         ``gradient_ratio_first16`` and ``verdict`` (``beats_copy_last``, ``sharp``, ``message``).
@@ -106,7 +114,7 @@ def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 
                            "ssim_curve": ssim[kind].double().mean(0).tolist()}
     g, r = spatial_gradient_per_frame(gen), spatial_gradient_per_frame(target)  # (B, N) each, computed once
     g16 = _ratio(g, r, 0, SHARPNESS_FRAMES)
-    first = {name: {"psnr": first_frames_mean(psnr[name]), "ssim": first_frames_mean(ssim[name])}
+    first = {name: {"psnr": first_frames_mean(psnr[name].clamp(max=PSNR_CAP)), "ssim": first_frames_mean(ssim[name])}
              for name in ("model", *BASELINES)}
     return {"first_frames": first, "baselines": baselines, "gradient_ratio_by_span": _ratio_by_span(g, r, span),
             "gradient_ratio_curve": [_ratio(g, r, i, i + 1) for i in range(n)],

@@ -25,14 +25,11 @@ import torch
 from torch import Tensor
 
 from arvdm.evaluation.baselines import BASELINES, baseline_frames, gradient_ratio_by_span
-from arvdm.evaluation.metrics import psnr_per_frame, summarise_by_span
+from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, summarise_by_span
 from arvdm.evaluation.probes import pooled_rate
 
-__all__ = ["PSNR_CAP", "hold_up", "hold_up_horizon", "span_differences"]
+__all__ = ["hold_up", "hold_up_horizon", "span_differences"]
 
-#: ``hold_up`` clips per-frame PSNR here (dB): an identical frame (copy-last while the agent stands at a wall)
-#: has PSNR inf, which would make every mean and difference of its span infinite.
-PSNR_CAP = 60.0
 
 
 def _curves(model: Any, base: Any, name: str) -> tuple[Tensor, Tensor]:

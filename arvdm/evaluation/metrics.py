@@ -31,6 +31,7 @@ from torch import Tensor
 from data.atomic import atomic_write_text
 
 __all__ = [
+    "PSNR_CAP",
     "check_videos",
     "frechet_distance",
     "fvd",
@@ -79,6 +80,11 @@ def _frames(x: Tensor) -> Tensor:
     """
     b, t = x.shape[:2]
     return x.reshape(b * t, *x.shape[2:]).float().clamp(-1.0, 1.0)
+
+
+#: Where a summary that averages or compares PSNRs clips per-frame PSNR (dB): an identical frame (copy-last
+#: while the agent stands still) has PSNR inf, which would make every mean and difference it enters infinite.
+PSNR_CAP = 60.0
 
 
 def psnr_per_frame(fake: Tensor, real: Tensor, data_range: float = 2.0) -> Tensor:

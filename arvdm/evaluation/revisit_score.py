@@ -20,12 +20,10 @@ import numpy as np
 from torch import Tensor
 
 from arvdm.evaluation.baselines import baseline_frames
-from arvdm.evaluation.metrics import psnr_per_frame
+from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import MIN_EVENTS, memory_probes_batch, paired_difference, pooled_rate, values_at
 
-__all__ = ["PSNR_CAP", "revisit_score"]
-
-PSNR_CAP = 60.0  # dB
+__all__ = ["revisit_score"]
 
 
 def revisit_score(gen: Tensor, real: Tensor, context: int, recent: int, poses: Tensor | None = None,

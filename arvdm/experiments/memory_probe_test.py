@@ -52,9 +52,8 @@ from tqdm import tqdm
 
 from arvdm.config import SampleSettings, SamplingError
 from arvdm.errors import USER_ERRORS
-from arvdm.evaluation.metrics import psnr_per_frame, ssim_per_frame
+from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, ssim_per_frame
 from arvdm.evaluation.probes import MIN_EVENTS, memory_probes, paired_difference, pooled_rate, psnr_matrix
-from arvdm.evaluation.revisit_score import PSNR_CAP
 from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, pose_match_matrix
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.model.state import RolloutState

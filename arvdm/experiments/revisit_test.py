@@ -30,9 +30,8 @@ from tqdm import tqdm
 
 from arvdm.config import SamplingError
 from arvdm.errors import USER_ERRORS
-from arvdm.evaluation.metrics import psnr_per_frame
+from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import paired_difference, psnr_matrix
-from arvdm.evaluation.revisit_score import PSNR_CAP
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.runs import load_for_inference
