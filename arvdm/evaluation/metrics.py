@@ -97,7 +97,8 @@ def psnr_per_frame(fake: Tensor, real: Tensor, data_range: float = 2.0) -> Tenso
             range 1.0, i.e. the usual convention).
     Returns:
         (B, T) float32. Identical frames give ``inf`` (MSE = 0); span summaries keep that visible rather
-        than inventing a cap (eval.json writes it as null).
+        than inventing a cap (eval.json writes it as null); what averages or compares PSNRs across episodes
+        (first-frames verdict, hold-up, revisit scores) clips at ``PSNR_CAP`` first.
     """
     # lazy: torchmetrics takes seconds to import, and a module that only reads eval.json needs none of it
     from torchmetrics.functional.image import peak_signal_noise_ratio
