@@ -71,12 +71,10 @@ class DiffusionConfig:
     num_levels: int = 1000  # K; level k >= 1 is diffusers timestep k - 1
     beta_schedule: str = "squaredcos_cap_v2"  # any diffusers beta_schedule: linear, scaled_linear, sigmoid, ...
     prediction_type: str = "v_prediction"
-    # DDIM eta when sampling (sample.py --eta, the training sample videos): 0 = DDIM (deterministic),
-    # 1 = DDPM-like (fresh noise at every step); the default is the one benchmarks/RESULTS.md compares against
+    # DDIM eta when sampling (sample.py --eta, the training sample videos): 0 = DDIM (deterministic), 1 = DDPM-like
     eta: float = 1.0
-    # k_ctx when sampling (sample.py --context-level): the noise level finished frames sit at in memory
-    # (Diffusion Forcing / GameNGen: a model trained with train.context_noise_max > 0 conditions on generated
-    # frames as if slightly noisy); 0 = clean, the Meta-ARVDM schedules as written. Schedule files keep their own.
+    # k_ctx when sampling (sample.py --context-level): the level finished frames sit at in memory (Diffusion Forcing /
+    # GameNGen, for train.context_noise_max > 0); 0 = clean, the schedules as written. Schedule files keep their own.
     context_level: int = 0
 
     def validate(self) -> None:
@@ -108,10 +106,10 @@ class ModelConfig:
     unet_channels: list = field(default_factory=list)
     frames_per_chunk: int = 1  # c: frames that see each other; serves schedules whose delta is a multiple of c
     temporal_attention: str = FACTORIZED  # one of TEMPORAL_ATTENTION_FORMS
-    # The most recent past frame at full resolution beside every window frame (GameNGen feeds its past frames to
-    # the U-Net's input channels): a zero-initialised conv of it is added to the first conv's output, so details
-    # the 8x8 tokens cannot carry reach the decoder. Needs conv levels (unet_channels) and memory.length >= 1.
+    # The most recent past frame at full resolution beside every window frame (GameNGen feeds past frames to the
+    # U-Net's input): a zero-init conv of it joins the first conv's output. Needs unet_channels, memory.length >= 1.
     last_frame_input: bool = False
+    copy_gate: bool = False  # a per-pixel gate on the predicted clean frame that copies the last frame (Denoiser)
 
     @property
     def token_grid(self) -> int:
@@ -136,8 +134,10 @@ class ModelConfig:
         _check(self.frames_per_chunk >= 1, "model.frames_per_chunk", self.frames_per_chunk, "must be >= 1")
         _check(self.temporal_attention in TEMPORAL_ATTENTION_FORMS, "model.temporal_attention",
                self.temporal_attention, "must be 'factorized' or 'full'")
-        _check(isinstance(self.last_frame_input, bool), "model.last_frame_input", self.last_frame_input,
-               "must be true or false")
+        for key in ("last_frame_input", "copy_gate"):
+            _check(isinstance(getattr(self, key), bool), f"model.{key}", getattr(self, key), "must be true or false")
+        _check(not self.copy_gate or self.last_frame_input, "model.copy_gate", self.copy_gate,
+               "needs model.last_frame_input=true (the gate copies that frame)")
         _check(not self.last_frame_input or bool(self.unet_channels), "model.last_frame_input", self.last_frame_input,
                "needs conv levels (model.unet_channels, e.g. [32, 64]): the last frame enters through the first conv")
         patch_values = self.patch_size ** 2 * self.channels

@@ -35,6 +35,8 @@ class MemoryFrames:
         target_poses: optional (B, w, 3) poses of the window's frames the memory was chosen for.
         levels: optional (B, m) int64 noise level of each memory frame (noisy context, GameNGen / Diffusion
             Forcing); the model conditions each frame on its level. None = every frame clean (level 0).
+        last: optional (B, C, H, W) the most recent past frame, clean (before noisy context noised it); a model
+            with model.copy_gate reads it as its last frame. None = `frames[:, -1]`.
     """
 
     frames: torch.Tensor
@@ -45,6 +47,7 @@ class MemoryFrames:
     ages: torch.Tensor | None = None
     target_poses: torch.Tensor | None = None
     levels: torch.Tensor | None = None
+    last: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.frames.shape[1]
@@ -85,16 +88,18 @@ class MemoryBank:
         self.poses: torch.Tensor | None = None  # (B, F, P) or None
         self.levels: torch.Tensor | None = None  # (B, F) int64 noise level of each kept frame (0 = clean)
         self.positions: list[int] = []  # absolute index of each kept frame
+        self.last: torch.Tensor | None = None  # (B, C, H, W) the newest committed frame, clean
         self._positions_tensor: torch.Tensor | None = None  # `positions` on the frames' device, built once
 
     def __len__(self) -> int:
         return len(self.positions)
 
     def append(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
-               levels: torch.Tensor | None = None) -> None:
+               levels: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> None:
         """Commit frames (B, n, C, H, W) with actions (B, n) [and poses (B, n, P)], then evict.
 
-        `levels` (B, n) int64: the frames' noise levels (noisy context); None = clean (level 0).
+        `levels` (B, n) int64: the frames' noise levels (noisy context); None = clean (level 0). `clean`: the same
+        frames before they were noised (None = `frames`); the newest is kept as `MemoryFrames.last`.
         """
         if frames.dim() != 5:
             raise ValueError(f"MemoryBank.append: frames must be (B, n, C, H, W), got {tuple(frames.shape)}")
@@ -115,6 +120,7 @@ class MemoryBank:
             if (poses is None) != (self.poses is None):
                 raise ValueError("MemoryBank.append: give poses for every commit or for none")
         frames, actions = frames.detach(), actions.detach()
+        self.last = (frames if clean is None else clean.detach())[:, -1]  # (B, C, H, W)
         if self.frames is None or len(self.positions) == 0:
             self.frames, self.actions, self.levels = frames, actions, levels
             self.poses = poses.detach() if poses is not None else None
@@ -153,7 +159,8 @@ class MemoryBank:
         if self._positions_tensor is None:  # one host-to-device copy per commit, not one per denoising call
             self._positions_tensor = torch.tensor(self.positions, dtype=torch.long, device=self.frames.device)
         return MemoryFrames(self.frames, self.actions, positions=self._positions_tensor, poses=self.poses,
-                            next_index=self.positions[-1] + 1, target_poses=target_poses, levels=self.levels)
+                            next_index=self.positions[-1] + 1, target_poses=target_poses, levels=self.levels,
+                            last=self.last)
 
     def nbytes(self) -> int:
         """Bytes held by the kept frames, actions, levels and poses."""

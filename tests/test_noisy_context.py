@@ -134,9 +134,9 @@ class Spy:
     def init_state(self, batch_size, **kw):
         return self.model.init_state(batch_size, **kw)
 
-    def commit(self, state, frames, actions, *args, levels=None):
+    def commit(self, state, frames, actions, *args, levels=None, clean=None):
         self.commits.append((frames.clone(), None if levels is None else levels.clone()))
-        self.model.commit(state, frames, actions, *args, levels=levels)
+        self.model.commit(state, frames, actions, *args, levels=levels, clean=clean)
 
     def __call__(self, *args, **kw):
         return self.model(*args, **kw)

@@ -27,6 +27,8 @@ Architecture (v-prediction; every frame has its own noise level):
         MLP
     final AdaLN + linear --unpatchify--> ConvDecoder (skips from the encoder, ResBlocks, upsampling,
     zero-init output conv, so training starts from v = 0) --> v (B,T,C,H,W)
+    (model.copy_gate: one more output channel, a per-pixel gate whose clean frame is the last past frame's;
+     the v returned gives x0 = x̂0 + g (last − x̂0), see `Denoiser._copy_last`)
 
 The transformer blocks run where a frame is a few dozen tokens (8x8 for the tiny preset), as in Diffusion
 Forcing's 3-D U-Net; that is where the chunked temporal attention, the memory and the KV caches live. The
@@ -56,6 +58,7 @@ from einops import rearrange
 from arvdm.checks import value_checks_enabled
 from arvdm.config import CHANNEL_CONCAT, CROSS_ATTENTION, FACTORIZED, PREPEND, Config
 from arvdm.model import checkpoint, memory_path
+from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.model.layers import Block, FinalLayer, LevelEmbedding, PoseTags, Rotary
 from arvdm.model.memory_path import DenoiserError
 from arvdm.model.state import RolloutState
@@ -65,6 +68,7 @@ from memory import KVCache, MemoryFrames, RetentionPolicy, build_compressor, mak
 __all__ = ["Denoiser", "DenoiserError"]
 
 POS_EMBED_INIT_STD = 0.02  # learned 2-D position embedding, initialised small (as in ViT / DiT)
+COPY_GATE_BIAS = -4.0  # model.copy_gate: the gate's logit offset, so a fresh model copies sigmoid(-4) = 1.8%
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,7 +106,13 @@ class Denoiser(nn.Module):
         # Spatial path: optional conv U-Net levels (model.unet_channels) around the token grid.
         unet = list(mc.unet_channels)
         self.encoder = ConvEncoder(mc.channels, unet, d) if unet else None
-        self.decoder = ConvDecoder(mc.channels, unet, d) if unet else None
+        # model.copy_gate: one more output channel, the logit of a per-pixel gate that copies the last frame
+        self.copy_gate = mc.copy_gate
+        self.decoder = ConvDecoder(mc.channels + int(mc.copy_gate), unet, d) if unet else None
+        if self.copy_gate:  # √ᾱ and √(1−ᾱ) per level (K+1,), from the run's noise schedule; not saved
+            alphas_bar = PerFrameDiffusion(cfg.diffusion).alphas_bar
+            self.register_buffer("sqrt_ab", alphas_bar.sqrt().float(), persistent=False)
+            self.register_buffer("sqrt_1m_ab", (1 - alphas_bar).sqrt().float(), persistent=False)
         # model.last_frame_input: the most recent past frame (full resolution) beside every window frame, through
         # its own zero-initialised conv added to the stem's output, so a fresh model computes what it did without
         self.last_frame_stem = nn.Conv2d(mc.channels, unet[0], 3, padding=1) if mc.last_frame_input else None
@@ -211,6 +221,8 @@ class Denoiser(nn.Module):
         no memory (memory dropout, history guidance's memory-free call, an empty bank)."""
         if self.last_frame_stem is None or memory is None or len(memory) == 0:
             return None
+        if self.copy_gate and memory.last is not None:  # the gate copies it: clean, not as noisy context has it
+            return memory.last
         return memory.frames[:, -1]
 
     def _cond(self, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
@@ -322,7 +334,28 @@ class Denoiser(nn.Module):
         h, _ = self._run(h, cond, pos, pasts=pasts, n_prefix=n_prefix, prefix_chunk=prefix_chunk,
                          cross_kv=cross_kv)
         h = h[:, n_prefix:]  # the window's tokens only (B,T,N,D)
-        return self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C,H,W)
+        out = self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C(+1),H,W)
+        return self._copy_last(out, x, levels, last) if self.copy_gate else out  # (B,T,C,H,W)
+
+    def _copy_last(self, out: torch.Tensor, x: torch.Tensor, levels: torch.Tensor,
+                   last: torch.Tensor | None) -> torch.Tensor:
+        """model.copy_gate: v whose clean frame is the network's, gated per pixel towards the last frame.
+
+        The decoder gives v̂ (B,T,C,H,W) and a logit z (B,T,1,H,W); with x̂0 = √ᾱ x − √(1−ᾱ) v̂ (Salimans & Ho
+        2022, App. D) and g = sigmoid(z + COPY_GATE_BIAS), the clean frame is x0 = x̂0 + g (last − x̂0) and the
+        v returned is the one that gives it, v = v̂ + g (x̂0 − last) / √(1−ᾱ): a scene that stands still is a gate
+        of 1, not a level-dependent mix of x and last to compute. Frames at level 0 (which never move) and calls
+        without a last frame (no memory) get v̂. Computed in float32 (the division is large at low levels)."""
+        v_hat, logit = out[:, :, :-1], out[:, :, -1:]  # (B,T,C,H,W), (B,T,1,H,W)
+        if last is None:
+            return v_hat
+        v_hat32 = v_hat.float()
+        s, s1 = self.sqrt_ab[levels], self.sqrt_1m_ab[levels]  # (B,T) each
+        s, s1 = s[:, :, None, None, None], s1[:, :, None, None, None]  # (B,T,1,1,1)
+        x0_hat = s * x.float() - s1 * v_hat32  # (B,T,C,H,W)
+        gate = torch.sigmoid(logit.float() + COPY_GATE_BIAS)  # (B,T,1,H,W)
+        v = v_hat32 + gate * (x0_hat - last.float()[:, None]) / s1.clamp_min(1e-6)
+        return torch.where(s1 > 0, v, v_hat32).to(out.dtype)  # (B,T,C,H,W)
 
     # -- cached rollout ----------------------------------------------------------------------------
     def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None,
@@ -353,7 +386,7 @@ class Denoiser(nn.Module):
     @torch.no_grad()
     def commit(self, state: RolloutState, frames: torch.Tensor, actions: torch.Tensor,
                poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None,
-               levels: torch.Tensor | None = None) -> None:
+               levels: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> None:
         """Write frames that left the window into the rollout state.
 
         Args:
@@ -363,6 +396,7 @@ class Denoiser(nn.Module):
             poses: (B,n,3) their poses: required by a pose-aware model (memory.select=pose), else optional.
             target_poses: (B,w,3) poses of the next window's frames (pose-aware models choose its memory by them).
             levels: (B,n) int64 the frames' noise levels in 0..K-1 (noisy context); None = clean (level 0).
+            clean: (B,n,C,H,W) the frames before they were noised (model.copy_gate's last frame); None = `frames`.
 
         The frames go to the bank (retention applied). For prepend with raw frames they also run through
         the network at their level, attending to what the cache holds now, and their K/V are appended to
@@ -388,7 +422,7 @@ class Denoiser(nn.Module):
                                prefix_chunk=self.frames_per_chunk)
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, range(start, start + n))
-        state.bank.append(frames, actions, poses, levels)
+        state.bank.append(frames, actions, poses, levels, clean)
         state.target_poses = target_poses
         for cache in state.caches:
             cache.evict(state.n_committed)

@@ -109,12 +109,13 @@ class RolloutContext:
         With a context level k_ctx > 0 the frames are first re-noised to k_ctx with fresh noise (drawn here, from
         the rollout's generator) and committed with their levels. Returns the frames as committed.
         """
-        levels = None
+        levels, clean = None, frames
         if self.context_level > 0:
             b, n = actions.shape
             levels = torch.full((b, n), self.context_level, dtype=torch.long, device=frames.device)  # (B, n)
             frames = self.diffusion.add_noise(frames, self.noise(frames.shape), levels)  # (B, n, C, H, W) at k_ctx
-        kw = {} if levels is None else {"levels": levels}  # a model without noisy context is called as before
+        # a model without noisy context is called as before; with it, the clean frames go along (model.copy_gate)
+        kw = {} if levels is None else {"levels": levels, "clean": clean}
         if self.bank is not None:
             self.bank.append(frames, actions, poses, **kw)
         elif poses is None:

@@ -30,17 +30,19 @@ ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
 
 
 def memory_frames(frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
-                  ages: torch.Tensor | None = None, levels: torch.Tensor | None = None) -> MemoryFrames:
+                  ages: torch.Tensor | None = None, levels: torch.Tensor | None = None,
+                  last: torch.Tensor | None = None) -> MemoryFrames:
     """The model's `memory=` argument for past frames (B,m,C,H,W) and their actions (B,m).
 
     Pose-chosen memory (memory.select=pose) also gives `poses` (B,m+w,3) of memory and window frames and the
     memory frames' `ages` (B,m): the window's poses become the memory's `target_poses`. Noised memory frames
-    come with their `levels` (B,m) int64 (None = clean).
+    come with their `levels` (B,m) int64 (None = clean) and the last frame before noising, `last` (B,C,H,W).
     """
     m = frames.shape[1]
-    if poses is None:
-        return MemoryFrames(frames, actions, levels=levels)  # positions 0..m-1; the window follows at m..m+w-1
-    return MemoryFrames(frames, actions, poses=poses[:, :m], ages=ages, target_poses=poses[:, m:], levels=levels)
+    if poses is None:  # positions 0..m-1; the window follows at m..m+w-1
+        return MemoryFrames(frames, actions, levels=levels, last=last)
+    return MemoryFrames(frames, actions, poses=poses[:, :m], ages=ages, target_poses=poses[:, m:], levels=levels,
+                        last=last)
 
 
 def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int,
@@ -86,7 +88,7 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
             ages: torch.Tensor | None, generator: torch.Generator, context_noise_max: int,
             memory_dropout: float, drop_memory: bool | None = None) -> MemoryFrames | None:
     """The loss's memory (frames (B,m,C,H,W)): noised to drawn levels, or dropped; draws only for a lever that is on."""
-    levels = None
+    levels, last = None, frames[:, -1]  # (B, C, H, W) the newest memory frame, clean
     if context_noise_max > 0:
         b, m = actions.shape
         levels = torch.randint(0, context_noise_max + 1, (b, m), generator=generator, device=generator.device)
@@ -94,12 +96,12 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
         levels, noise = levels.to(frames.device), noise.to(frames.device)
         frames = diffusion.add_noise(frames, noise, levels)  # (B, m, C, H, W) at their levels
     if drop_memory is not None:
-        return None if drop_memory else memory_frames(frames, actions, poses, ages, levels)
+        return None if drop_memory else memory_frames(frames, actions, poses, ages, levels, last)
     if memory_dropout > 0:
         coin = torch.rand((), generator=generator, device=generator.device)
         if bool(coin < memory_dropout):  # the whole batch sees the window only (as v_nomem does at sampling)
             return None
-    return memory_frames(frames, actions, poses, ages, levels)
+    return memory_frames(frames, actions, poses, ages, levels, last)
 
 
 @torch.no_grad()

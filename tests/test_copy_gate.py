@@ -1,0 +1,136 @@
+"""model.copy_gate: a per-pixel gate on the predicted clean frame that copies the last past frame.
+
+The decoder gives v̂ and a gate logit; the model returns the v whose clean frame is x̂0 + g (last − x̂0). Checked
+against hand values: a closed gate gives v̂ (the same weights without the gate), an open one gives the last frame
+as the clean frame at every level, a half-open one the midpoint; level-0 frames and calls without memory get v̂;
+cached rollouts equal recomputing ones; the loss reaches the gate; the config refuses it without the last frame.
+"""
+
+import pytest
+import torch
+from test_noisy_context import B, K, clip, poses, tiny_cfg
+from test_noisy_context import make as make_random
+
+from arvdm.config import ConfigError
+from arvdm.model.denoiser import COPY_GATE_BIAS, Denoiser
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.schedules.presets import fifo
+from arvdm.training.objective import _memory, diffusion_forcing_loss
+from memory import MemoryFrames
+
+GATED = ("model.last_frame_input=true", "model.copy_gate=true")
+
+
+def make(*overrides, logit=None, seed=0):
+    """test_noisy_context's all-random tiny model with the gate; `logit` given: the gate's output channel is that
+    constant (weights 0, bias `logit`), so the gate is sigmoid(logit + COPY_GATE_BIAS) everywhere."""
+    model = make_random(*GATED, *overrides, seed=seed)
+    if logit is not None:
+        with torch.no_grad():
+            model.decoder.out.weight[-1].zero_()
+            model.decoder.out.bias[-1] = logit
+    return model
+
+
+def window(levels):
+    (mem, mem_a), (x, a) = clip(4, seed=1), clip(len(levels), seed=2)
+    return MemoryFrames(mem, mem_a), x, torch.tensor(levels).expand(B, -1), a
+
+
+def test_closed_gate_is_the_same_weights_without_it():
+    gated = make(logit=-60.0)
+    plain = Denoiser(tiny_cfg("model.last_frame_input=true")).eval()
+    weights = gated.state_dict()
+    weights["decoder.out.weight"], weights["decoder.out.bias"] = weights["decoder.out.weight"][:-1], \
+        weights["decoder.out.bias"][:-1]
+    plain.load_state_dict(weights)  # the gate adds one output channel and nothing else (its tables are not saved)
+    mem, x, levels, a = window([0, 1, 40, K])
+    with torch.no_grad():
+        out, ref = gated(x, levels, a, memory=mem), plain(x, levels, a, memory=mem)
+    assert ref.abs().max() > 1e-2 and (out - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("logit, share", [(60.0, 1.0), (-COPY_GATE_BIAS, 0.5)])
+def test_open_gate_copies_the_last_frame(logit, share):
+    """x0 of the returned v is x̂0 + g (last − x̂0): the last frame (g = 1) or the midpoint (g = 1/2) at every level
+    above 0; a frame at level 0 keeps v̂."""
+    gated, closed = make(logit=logit), make(logit=-60.0)
+    diffusion = PerFrameDiffusion(gated.cfg.diffusion)
+    mem, x, levels, a = window([1, 5, 40, K, 0])  # a window of 5: frames_per_chunk is 1 in this preset
+    with torch.no_grad():
+        v, v_hat = gated(x, levels, a, memory=mem), closed(x, levels, a, memory=mem)
+    x0, x0_hat = diffusion.pred_x0(x, v, levels), diffusion.pred_x0(x, v_hat, levels)  # (B, 5, C, H, W)
+    want = x0_hat + share * (mem.frames[:, -1:] - x0_hat)
+    assert (x0[:, :4] - want[:, :4]).abs().max() < 1e-4
+    assert (x0_hat[:, :4] - want[:, :4]).abs().max() > 0.1  # the gate changed them
+    assert torch.equal(v[:, 4], v_hat[:, 4])  # level 0: untouched
+
+
+def test_without_memory_the_gate_is_not_used():
+    gated, closed = make(logit=60.0), make(logit=-60.0)
+    _, x, levels, a = window([3, 40])
+    with torch.no_grad():
+        assert torch.equal(gated(x, levels, a), closed(x, levels, a))
+
+
+@pytest.mark.parametrize("overrides", [
+    ("memory.structure=prepend", "memory.retention=all"),
+    ("memory.structure=prepend", "memory.select=pose", "memory.pose_frames=2", "memory.length=4"),
+], ids=["prepend", "pose"])
+@pytest.mark.parametrize("k_ctx", [0, 15])
+def test_cached_equals_recomputed(overrides, k_ctx):
+    model = make(*overrides, logit=2.0)
+    sched = fifo(4, K, 1).with_context_level(k_ctx)
+    ctx, ctx_a = clip(2, seed=3)
+    _, act = clip(9, seed=4)
+    extra = {"poses": poses(2 + 9, seed=5)} if model.pose_aware else {}
+
+    def run(m, use_cache):
+        return rollout(m, PerFrameDiffusion(m.cfg.diffusion), sched, ctx, ctx_a, act, 9, progress=False, eta=0.5,
+                       generator=torch.Generator().manual_seed(1), use_cache=use_cache, **extra)
+
+    cached = run(model, True)
+    assert (cached - run(model, False)).abs().max() < 1e-5
+    assert (cached - run(make(*overrides, logit=-60.0), True)).abs().max() > 1e-3  # the gate mattered
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("overrides", [("memory.structure=prepend", "memory.retention=all"),
+                                       ("memory.select=pose", "memory.pose_frames=2", "memory.length=4")],
+                         ids=["time", "pose"])
+def test_an_open_gate_holds_the_clean_last_frame_under_noisy_context(overrides, use_cache):
+    """Noisy context commits every frame re-noised; the gate copies the frame as it was before (the bank keeps the
+    newest clean): with the gate open, every generated frame is the last context frame, to float error."""
+    model = make(*overrides, logit=60.0)
+    ctx, ctx_a = clip(2, seed=3)
+    _, act = clip(6, seed=4)
+    extra = {"poses": poses(2 + 6, seed=5)} if model.pose_aware else {}
+    out = rollout(model, PerFrameDiffusion(model.cfg.diffusion), fifo(4, K, 1).with_context_level(30), ctx, ctx_a,
+                  act, 6, progress=False, eta=1.0, generator=torch.Generator().manual_seed(1), use_cache=use_cache,
+                  **extra)  # (B, 2 + 6, C, H, W)
+    assert (out[:, 2:] - ctx[:, -1:]).abs().max() < 1e-3
+
+
+def test_the_loss_gives_the_memory_its_clean_last_frame():
+    video, act = clip(6, seed=1)
+    mem = _memory(PerFrameDiffusion(tiny_cfg().diffusion), video[:, :4], act[:, :4], None, None,
+                  torch.Generator().manual_seed(0), context_noise_max=50, memory_dropout=0.0)
+    assert torch.equal(mem.last, video[:, 3]) and (mem.frames[:, -1] - video[:, 3]).abs().max() > 0.01
+
+
+def test_the_loss_reaches_the_gate():
+    model = make(logit=0.0).train()
+    video, act = clip(6, seed=1)
+    total, counted = diffusion_forcing_loss(model, PerFrameDiffusion(model.cfg.diffusion), video, act, 4, K,
+                                            torch.Generator().manual_seed(0), weight="min_snr")
+    assert counted > 0 and torch.isfinite(total)
+    total.backward()
+    assert model.decoder.out.bias.grad[-1].abs() > 0 and torch.isfinite(model.decoder.out.weight.grad).all()
+
+
+def test_config_needs_the_last_frame():
+    with pytest.raises(ConfigError, match="model.copy_gate.*model.last_frame_input"):
+        Denoiser(tiny_cfg("model.copy_gate=true"))
+    with pytest.raises(ConfigError, match="model.copy_gate"):
+        Denoiser(tiny_cfg(*GATED[:1], "model.copy_gate=1"))
