@@ -39,6 +39,7 @@ MEMORY_STRUCTURES = ("prepend", "channel_concat", "cross_attention")  # how the 
 PREPEND, CHANNEL_CONCAT, CROSS_ATTENTION = MEMORY_STRUCTURES
 TEMPORAL_ATTENTION_FORMS = ("factorized", "full")  # per spatial position | all tokens of all frames
 FACTORIZED, FULL = TEMPORAL_ATTENTION_FORMS
+COPY_GATES = ("off", "pixel", "frame")  # model.copy_gate: none, one gate per pixel, one per frame
 FROZEN_DRAFT = "frozen"  # speculation's default draft: the target with frozen v (arvdm.speculative.rows)
 
 
@@ -109,7 +110,7 @@ class ModelConfig:
     # The most recent past frame at full resolution beside every window frame (GameNGen feeds past frames to the
     # U-Net's input): a zero-init conv of it joins the first conv's output. Needs unet_channels, memory.length >= 1.
     last_frame_input: bool = False
-    copy_gate: bool = False  # a per-pixel gate on the predicted clean frame that copies the last frame (Denoiser)
+    copy_gate: str = "off"  # a gate on the predicted clean frame that copies the last frame: COPY_GATES (Denoiser)
 
     @property
     def token_grid(self) -> int:
@@ -134,9 +135,9 @@ class ModelConfig:
         _check(self.frames_per_chunk >= 1, "model.frames_per_chunk", self.frames_per_chunk, "must be >= 1")
         _check(self.temporal_attention in TEMPORAL_ATTENTION_FORMS, "model.temporal_attention",
                self.temporal_attention, "must be 'factorized' or 'full'")
-        for key in ("last_frame_input", "copy_gate"):
-            _check(isinstance(getattr(self, key), bool), f"model.{key}", getattr(self, key), "must be true or false")
-        _check(not self.copy_gate or self.last_frame_input, "model.copy_gate", self.copy_gate,
+        _check(isinstance(self.last_frame_input, bool), "model.last_frame_input", self.last_frame_input, "must be bool")
+        _check(self.copy_gate in COPY_GATES, "model.copy_gate", self.copy_gate, f"must be one of {COPY_GATES}")
+        _check(self.copy_gate == "off" or self.last_frame_input, "model.copy_gate", self.copy_gate,
                "needs model.last_frame_input=true (the gate copies that frame)")
         _check(not self.last_frame_input or bool(self.unet_channels), "model.last_frame_input", self.last_frame_input,
                "needs conv levels (model.unet_channels, e.g. [32, 64]): the last frame enters through the first conv")

@@ -19,13 +19,13 @@ from arvdm.schedules.presets import fifo
 from arvdm.training.objective import _memory, diffusion_forcing_loss
 from memory import MemoryFrames
 
-GATED = ("model.last_frame_input=true", "model.copy_gate=true")
+GATED = ("model.last_frame_input=true", "model.copy_gate=pixel")
 
 
-def make(*overrides, logit=None, seed=0):
+def make(*overrides, logit=None, seed=0, gate="pixel"):
     """test_noisy_context's all-random tiny model with the gate; `logit` given: the gate's output channel is that
     constant (weights 0, bias `logit`), so the gate is sigmoid(logit + COPY_GATE_BIAS) everywhere."""
-    model = make_random(*GATED, *overrides, seed=seed)
+    model = make_random(*GATED, f"model.copy_gate={gate}", *overrides, seed=seed)
     if logit is not None:
         with torch.no_grad():
             model.decoder.out.weight[-1].zero_()
@@ -51,11 +51,12 @@ def test_closed_gate_is_the_same_weights_without_it():
     assert ref.abs().max() > 1e-2 and (out - ref).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("gate", ["pixel", "frame"])
 @pytest.mark.parametrize("logit, share", [(60.0, 1.0), (-COPY_GATE_BIAS, 0.5)])
-def test_open_gate_copies_the_last_frame(logit, share):
+def test_open_gate_copies_the_last_frame(logit, share, gate):
     """x0 of the returned v is x̂0 + g (last − x̂0): the last frame (g = 1) or the midpoint (g = 1/2) at every level
     above 0; a frame at level 0 keeps v̂."""
-    gated, closed = make(logit=logit), make(logit=-60.0)
+    gated, closed = make(logit=logit, gate=gate), make(logit=-60.0)
     diffusion = PerFrameDiffusion(gated.cfg.diffusion)
     mem, x, levels, a = window([1, 5, 40, K, 0])  # a window of 5: frames_per_chunk is 1 in this preset
     with torch.no_grad():
@@ -112,6 +113,26 @@ def test_an_open_gate_holds_the_clean_last_frame_under_noisy_context(overrides, 
     assert (out[:, 2:] - ctx[:, -1:]).abs().max() < 1e-3
 
 
+def test_a_frame_gate_is_one_share_per_frame_and_a_pixel_gate_is_not():
+    """copy_gate=frame: x0 − x̂0 = g (last − x̂0) with one g per frame (the logit's mean); pixel: g varies."""
+    closed = make(logit=-60.0)
+    mem, x, levels, a = window([3, 40, K])
+    with torch.no_grad():
+        v_hat = closed(x, levels, a, memory=mem)
+        for gate in ("frame", "pixel"):
+            model = make(gate=gate)  # all-random: the logit channel varies over pixels
+            with torch.no_grad():  # the same v̂ as `closed`
+                model.decoder.out.weight[:-1].copy_(closed.decoder.out.weight[:-1])
+                model.decoder.out.bias[:-1].copy_(closed.decoder.out.bias[:-1])
+            diffusion = PerFrameDiffusion(model.cfg.diffusion)
+            x0 = diffusion.pred_x0(x, model(x, levels, a, memory=mem), levels)
+            x0_hat = diffusion.pred_x0(x, v_hat, levels)
+            share = ((x0 - x0_hat) / (mem.frames[:, -1:] - x0_hat)).mean(dim=2)  # (B, 3, H, W): g per pixel
+            spread = (share.amax(dim=(-2, -1)) - share.amin(dim=(-2, -1))).max()
+            assert (spread < 1e-3) if gate == "frame" else (spread > 1e-2), (gate, spread)
+            assert share.min() > 0 and share.max() < 1
+
+
 def test_the_loss_gives_the_memory_its_clean_last_frame():
     video, act = clip(6, seed=1)
     mem = _memory(PerFrameDiffusion(tiny_cfg().diffusion), video[:, :4], act[:, :4], None, None,
@@ -129,8 +150,9 @@ def test_the_loss_reaches_the_gate():
     assert model.decoder.out.bias.grad[-1].abs() > 0 and torch.isfinite(model.decoder.out.weight.grad).all()
 
 
-def test_config_needs_the_last_frame():
+def test_config_needs_the_last_frame_and_a_known_gate():
     with pytest.raises(ConfigError, match="model.copy_gate.*model.last_frame_input"):
-        Denoiser(tiny_cfg("model.copy_gate=true"))
-    with pytest.raises(ConfigError, match="model.copy_gate"):
-        Denoiser(tiny_cfg(*GATED[:1], "model.copy_gate=1"))
+        Denoiser(tiny_cfg("model.copy_gate=frame"))
+    for bad in ("true", "1", "pixels"):
+        with pytest.raises(ConfigError, match="model.copy_gate.*one of"):
+            Denoiser(tiny_cfg(*GATED[:1], f"model.copy_gate={bad}"))

@@ -27,8 +27,8 @@ Architecture (v-prediction; every frame has its own noise level):
         MLP
     final AdaLN + linear --unpatchify--> ConvDecoder (skips from the encoder, ResBlocks, upsampling,
     zero-init output conv, so training starts from v = 0) --> v (B,T,C,H,W)
-    (model.copy_gate: one more output channel, a per-pixel gate whose clean frame is the last past frame's;
-     the v returned gives x0 = x̂0 + g (last − x̂0), see `Denoiser._copy_last`)
+    (model.copy_gate: one more output channel, a gate (per pixel, or its mean per frame) whose clean frame is the
+     last past frame's; the v returned gives x0 = x̂0 + g (last − x̂0), see `Denoiser._copy_last`)
 
 The transformer blocks run where a frame is a few dozen tokens (8x8 for the tiny preset), as in Diffusion
 Forcing's 3-D U-Net; that is where the chunked temporal attention, the memory and the KV caches live. The
@@ -106,9 +106,9 @@ class Denoiser(nn.Module):
         # Spatial path: optional conv U-Net levels (model.unet_channels) around the token grid.
         unet = list(mc.unet_channels)
         self.encoder = ConvEncoder(mc.channels, unet, d) if unet else None
-        # model.copy_gate: one more output channel, the logit of a per-pixel gate that copies the last frame
-        self.copy_gate = mc.copy_gate
-        self.decoder = ConvDecoder(mc.channels + int(mc.copy_gate), unet, d) if unet else None
+        # model.copy_gate: one more output channel, the logit of a gate (per pixel / frame) that copies the last frame
+        self.copy_gate, self.gate_per_frame = mc.copy_gate != "off", mc.copy_gate == "frame"
+        self.decoder = ConvDecoder(mc.channels + int(self.copy_gate), unet, d) if unet else None
         if self.copy_gate:  # √ᾱ and √(1−ᾱ) per level (K+1,), from the run's noise schedule; not saved
             alphas_bar = PerFrameDiffusion(cfg.diffusion).alphas_bar
             self.register_buffer("sqrt_ab", alphas_bar.sqrt().float(), persistent=False)
@@ -339,21 +339,24 @@ class Denoiser(nn.Module):
 
     def _copy_last(self, out: torch.Tensor, x: torch.Tensor, levels: torch.Tensor,
                    last: torch.Tensor | None) -> torch.Tensor:
-        """model.copy_gate: v whose clean frame is the network's, gated per pixel towards the last frame.
+        """model.copy_gate: v whose clean frame is the network's, gated per pixel (or per frame) towards the last frame.
 
-        The decoder gives v̂ (B,T,C,H,W) and a logit z (B,T,1,H,W); with x̂0 = √ᾱ x − √(1−ᾱ) v̂ (Salimans & Ho
-        2022, App. D) and g = sigmoid(z + COPY_GATE_BIAS), the clean frame is x0 = x̂0 + g (last − x̂0) and the
-        v returned is the one that gives it, v = v̂ + g (x̂0 − last) / √(1−ᾱ): a scene that stands still is a gate
-        of 1, not a level-dependent mix of x and last to compute. Frames at level 0 (which never move) and calls
-        without a last frame (no memory) get v̂. Computed in float32 (the division is large at low levels)."""
+        The decoder gives v̂ (B,T,C,H,W) and a logit z (B,T,1,H,W) (copy_gate=frame: its mean over the frame);
+        with x̂0 = √ᾱ x − √(1−ᾱ) v̂ (Salimans & Ho 2022, App. D) and g = sigmoid(z + COPY_GATE_BIAS), the clean frame
+        is x0 = x̂0 + g (last − x̂0) and the v returned is the one that gives it, v = v̂ + g (x̂0 − last) / √(1−ᾱ): a
+        scene that stands still is a gate of 1, not a level-dependent mix of x and last to compute. Frames at level 0
+        (which never move) and calls without a last frame (no memory) get v̂. Float32 (the division is large at low
+        levels)."""
         v_hat, logit = out[:, :, :-1], out[:, :, -1:]  # (B,T,C,H,W), (B,T,1,H,W)
         if last is None:
             return v_hat
+        if self.gate_per_frame:  # one gate per frame: "the scene stands still", not "this pixel does"
+            logit = logit.mean(dim=(-2, -1), keepdim=True)  # (B,T,1,1,1)
         v_hat32 = v_hat.float()
         s, s1 = self.sqrt_ab[levels], self.sqrt_1m_ab[levels]  # (B,T) each
         s, s1 = s[:, :, None, None, None], s1[:, :, None, None, None]  # (B,T,1,1,1)
         x0_hat = s * x.float() - s1 * v_hat32  # (B,T,C,H,W)
-        gate = torch.sigmoid(logit.float() + COPY_GATE_BIAS)  # (B,T,1,H,W)
+        gate = torch.sigmoid(logit.float() + COPY_GATE_BIAS)  # (B,T,1,H,W) or (B,T,1,1,1)
         v = v_hat32 + gate * (x0_hat - last.float()[:, None]) / s1.clamp_min(1e-6)
         return torch.where(s1 > 0, v, v_hat32).to(out.dtype)  # (B,T,C,H,W)
 
