@@ -136,9 +136,8 @@ class ModelConfig:
         _check(self.temporal_attention in TEMPORAL_ATTENTION_FORMS, "model.temporal_attention",
                self.temporal_attention, "must be 'factorized' or 'full'")
         _check(isinstance(self.last_frame_input, bool), "model.last_frame_input", self.last_frame_input, "must be bool")
-        _check(self.copy_gate in COPY_GATES, "model.copy_gate", self.copy_gate, f"must be one of {COPY_GATES}")
-        _check(self.copy_gate == "off" or self.last_frame_input, "model.copy_gate", self.copy_gate,
-               "needs model.last_frame_input=true (the gate copies that frame)")
+        _check(self.copy_gate in COPY_GATES and (self.copy_gate == "off" or self.last_frame_input), "model.copy_gate",
+               self.copy_gate, f"must be one of {COPY_GATES}; pixel and frame need model.last_frame_input=true")
         _check(not self.last_frame_input or bool(self.unet_channels), "model.last_frame_input", self.last_frame_input,
                "needs conv levels (model.unet_channels, e.g. [32, 64]): the last frame enters through the first conv")
         patch_values = self.patch_size ** 2 * self.channels
