@@ -133,6 +133,20 @@ def test_a_frame_gate_is_one_share_per_frame_and_a_pixel_gate_is_not():
             assert share.min() > 0 and share.max() < 1
 
 
+def test_hybrid_attention_passes_the_clean_frames_on():
+    """`HybridModel.commit` forwards `clean=`: through it too an open gate holds the clean last context frame."""
+    from arvdm.config import HybridConfig
+    from arvdm.hybrid import HybridModel
+
+    model = make("memory.structure=prepend", "memory.retention=all", logit=60.0)
+    hybrid = HybridModel(model, HybridConfig(fraction=0.5, select="online", sink=1, recent=2))
+    ctx, ctx_a = clip(4, seed=3)  # more than sink + recent: the online choice of streaming layers is made
+    _, act = clip(6, seed=4)
+    out = rollout(hybrid, PerFrameDiffusion(model.cfg.diffusion), fifo(4, K, 1).with_context_level(30), ctx, ctx_a,
+                  act, 6, progress=False, eta=1.0, generator=torch.Generator().manual_seed(1), use_cache=True)
+    assert (out[:, 4:] - ctx[:, -1:]).abs().max() < 1e-3
+
+
 def test_the_loss_gives_the_memory_its_clean_last_frame():
     video, act = clip(6, seed=1)
     mem = _memory(PerFrameDiffusion(tiny_cfg().diffusion), video[:, :4], act[:, :4], None, None,

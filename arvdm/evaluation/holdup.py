@@ -31,7 +31,6 @@ from arvdm.evaluation.probes import pooled_rate
 __all__ = ["hold_up", "hold_up_horizon", "span_differences"]
 
 
-
 def _curves(model: Any, base: Any, name: str) -> tuple[Tensor, Tensor]:
     """Both curves as (B, N) float64 of the same shape, or a clear error."""
     m, b = (torch.as_tensor(x, dtype=torch.float64) for x in (model, base))
