@@ -262,6 +262,7 @@ class TrainConfig:
     rollout_frames: int = 0
     rollout_steps: int = 5
     rollout_share: float = 1.0  # share of clips given the generated frames; the rest keep the real ones
+    copy_gate_loss: float = 0.0  # model.copy_gate: weight of the gate's "stands still" BCE (objective.still_target)
 
     def validate(self) -> None:
         for key in ("window", "batch_size", "max_steps", "keep_checkpoints", "grad_accum", "cpu_ranks"):
@@ -275,10 +276,8 @@ class TrainConfig:
         _check(isinstance(self.memory_dropout, (int, float)) and 0.0 <= self.memory_dropout < 1.0,
                "train.memory_dropout", self.memory_dropout, "must be in [0, 1) (the share of steps without memory)")
         for key, low in (("rollout_frames", 0), ("rollout_steps", 1)):
-            value = getattr(self, key)
-            _check(type(value) is int and value >= low, f"train.{key}", value, f"must be an integer >= {low}")
-        _check(isinstance(self.rollout_share, (int, float)) and 0 < self.rollout_share <= 1, "train.rollout_share",
-               self.rollout_share, "must be in (0, 1]")
+            _check(type(v := getattr(self, key)) is int and v >= low, f"train.{key}", v, f"must be an integer >= {low}")
+        _check(0 < _number(self.rollout_share) <= 1, "train.rollout_share", self.rollout_share, "must be in (0, 1]")
 
 
 HYBRID_SELECT = ("online", "offline", "fixed")
@@ -332,8 +331,7 @@ class Config:
         _check(self.train.window % self.model.frames_per_chunk == 0, "train.window", self.train.window,
                f"must be a multiple of model.frames_per_chunk={self.model.frames_per_chunk}")
         _check(not self.model.last_frame_input or self.memory.length >= 1, "model.last_frame_input",
-               self.model.last_frame_input, f"needs memory.length >= 1 (the last frame comes from the memory), got "
-               f"memory.length={self.memory.length}")
+               self.model.last_frame_input, f"needs memory.length >= 1 (its last frame), got {self.memory.length}")
         tc, k_max = self.train, self.diffusion.num_levels - 1
         _check(type(tc.context_noise_max) is int and 0 <= tc.context_noise_max <= k_max, "train.context_noise_max",
                tc.context_noise_max, f"must be an integer in 0..diffusion.num_levels-1 = 0..{k_max} (0 = clean memory)")
@@ -343,6 +341,8 @@ class Config:
                "needs recent memory frames for the generated ones")
         _check(not g or tc.rollout_steps <= k_max + 1, "train.rollout_steps", tc.rollout_steps,
                f"must be <= diffusion.num_levels={k_max + 1}")
+        _check(0 <= _number(tc.copy_gate_loss) < math.inf and (not tc.copy_gate_loss or self.model.copy_gate != "off"),
+               "train.copy_gate_loss", tc.copy_gate_loss, "must be a finite number >= 0; > 0 needs model.copy_gate")
         return self
 
     def default_context(self) -> int:

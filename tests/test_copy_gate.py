@@ -8,7 +8,8 @@ cached rollouts equal recomputing ones; the loss reaches the gate; the config re
 
 import pytest
 import torch
-from test_noisy_context import B, K, clip, poses, tiny_cfg
+import torch.nn.functional as F
+from test_noisy_context import B, K, S, clip, poses, tiny_cfg
 from test_noisy_context import make as make_random
 
 from arvdm.config import ConfigError
@@ -16,7 +17,7 @@ from arvdm.model.denoiser import COPY_GATE_BIAS, Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.schedules.presets import fifo
-from arvdm.training.objective import _memory, diffusion_forcing_loss
+from arvdm.training.objective import STILL_PSNR, _memory, diffusion_forcing_loss, still_target
 from memory import MemoryFrames
 
 GATED = ("model.last_frame_input=true", "model.copy_gate=pixel")
@@ -162,6 +163,54 @@ def test_the_loss_reaches_the_gate():
     assert counted > 0 and torch.isfinite(total)
     total.backward()
     assert model.decoder.out.bias.grad[-1].abs() > 0 and torch.isfinite(model.decoder.out.weight.grad).all()
+
+
+def test_still_target_marks_frames_within_still_psnr_of_the_last():
+    last = clip(1, seed=3)[0][:, 0]  # (B, C, S, S)
+    noise = torch.randn((2, *last.shape), generator=torch.Generator().manual_seed(0))  # MSE σ² -> PSNR 10 log10(4/σ²)
+    near, far = (last + 2 * 10 ** (-(STILL_PSNR + d) / 20) * n for d, n in ((1, noise[0]), (-1, noise[1])))
+    frames = torch.stack([last, near, far], dim=1)  # (B, 3, C, S, S): exact, 36 dB, 34 dB
+    assert still_target(frames, last).flatten(1).tolist() == [[1.0, 1.0, 0.0]] * B
+    half = frames.clone()
+    half[..., : S // 2] += 0.5  # the left half moves, the right half stands still
+    per_pixel = still_target(half, last, per_pixel=True)  # (B, 3, 1, S, S)
+    assert per_pixel.shape == (B, 3, 1, S, S)
+    assert per_pixel[..., : S // 2].max() == 0 and per_pixel[:, 0, ..., S // 2:].min() == 1
+
+
+@pytest.mark.parametrize("gate", ["pixel", "frame"])
+def test_the_gate_loss_adds_the_bce_of_the_gate_and_draws_nothing(gate):
+    """total(λ) − total(0) = λ Σ over counted frames of BCE(gate, still): the same levels, noise and v (same draws);
+    on a clip that stands still it pulls the gate open, on one that moves it pushes it shut."""
+    video, act = clip(6, seed=1)
+    still = video.clone()
+    still[:, 3:] = video[:, 3:4]  # memory's last frame held through the window
+    for clip_video, sign in ((still, -1), (video, +1)):
+        grads, totals, states = [], [], []
+        for lam in (0.0, 0.5):
+            model = make(logit=0.0, gate=gate).train()
+            g = torch.Generator().manual_seed(0)
+            total, counted = diffusion_forcing_loss(model, PerFrameDiffusion(model.cfg.diffusion), clip_video, act, 4,
+                                                    K, g, weight="min_snr", copy_gate_loss=lam)
+            total.backward()
+            grads.append(model.decoder.out.bias.grad[-1].item())
+            totals.append(total.item())
+            states.append(g.get_state())
+        assert torch.equal(states[0], states[1])  # the term drew nothing
+        levels = torch.randint(0, K + 1, (B, 2), generator=torch.Generator().manual_seed(0))
+        target = float(sign < 0)
+        bce = F.binary_cross_entropy_with_logits(torch.tensor(COPY_GATE_BIAS), torch.tensor(target)).item()
+        assert totals[1] - totals[0] == pytest.approx(0.5 * bce * float((levels > 0).sum()), rel=1e-4)
+        assert sign * (grads[1] - grads[0]) > 0
+
+
+def test_config_refuses_a_bad_gate_loss():
+    for bad in ("-0.1", "nan", "inf"):
+        with pytest.raises(ConfigError, match="train.copy_gate_loss"):
+            tiny_cfg(*GATED, f"train.copy_gate_loss={bad}").validate()
+    with pytest.raises(ConfigError, match="train.copy_gate_loss.*needs model.copy_gate"):
+        tiny_cfg("train.copy_gate_loss=0.1").validate()
+    tiny_cfg(*GATED, "train.copy_gate_loss=0.1").validate()
 
 
 def test_config_needs_the_last_frame_and_a_known_gate():

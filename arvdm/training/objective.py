@@ -10,6 +10,7 @@ RNG), so a run that restores the generator's state draws the same numbers again 
 error-accumulation levers draw after those, and only when on: the memory frames' levels and noise
 (`context_noise_max` > 0, noisy context), then the memory-dropout coin (`memory_dropout` > 0, history
 guidance); with both off the draws, and so the run, are what they were before the levers existed.
+`copy_gate_loss` > 0 (model.copy_gate) adds a supervised term for the copy gate and draws nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import copy
 import math
 
 import torch
+import torch.nn.functional as F
 
 from arvdm.config import TrainConfig
 from arvdm.model.checkpoint import unwrap
@@ -27,6 +29,9 @@ from memory import MemoryFrames
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
 ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
+# train.copy_gate_loss: a window frame within this PSNR of the clean last past frame "stands still" (the gate's
+# target is 1 there); per pixel for the pixel gate. ~10% of consecutive frames of the mixed data set (RESULTS.md)
+STILL_PSNR = 35.0
 
 
 def memory_frames(frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
@@ -49,7 +54,7 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
                            num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
                            ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0,
-                           drop_memory: bool | None = None):
+                           drop_memory: bool | None = None, copy_gate_loss: float = 0.0):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -65,6 +70,10 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     per step, only when p > 0). Both draw after the window's levels and noise, and nothing when 0.
     `drop_memory` given (True/False) replaces the coin: the trainer decides per step, the same on every DDP rank
     (a per-rank coin would leave the memory path's gradients missing on some ranks only).
+
+    `copy_gate_loss` λ > 0 (model.copy_gate): each counted frame's term also gets λ · BCE(gate, still), the gate
+    told directly whether the frame stands still (`still_target`) rather than only through the v-MSE, whose pull
+    on the gate fades as the gate opens. Nothing is added for a batch without memory (no last frame, no gate).
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -76,12 +85,32 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
     mem = _memory(diffusion, video[:, :m], actions[:, :m], poses, ages, generator, context_noise_max,
                   memory_dropout, drop_memory) if m > 0 else None
+    logit = None
     with autocast():
-        v = model(x_t, levels, act, memory=mem)  # (B, w, C, H, W)
+        if copy_gate_loss > 0:
+            v, logit = model(x_t, levels, act, memory=mem, return_gate=True)  # logit (B, w, 1, H|1, W|1) or None
+        else:
+            v = model(x_t, levels, act, memory=mem)  # (B, w, C, H, W)
     per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
     counted = (levels > 0).to(per_frame.dtype)  # (B, w)
     w_levels = diffusion.loss_weight(levels, weight, gamma).to(per_frame.dtype)  # (B, w)
-    return (per_frame * w_levels * counted).sum(), counted.sum()
+    per_frame = per_frame * w_levels
+    if logit is not None:
+        still = still_target(x0, video[:, m - 1], per_pixel=logit.shape[-1] > 1)  # (B, w, 1, H|1, W|1)
+        bce = F.binary_cross_entropy_with_logits(logit.float(), still, reduction="none")
+        per_frame = per_frame + copy_gate_loss * bce.mean(dim=(2, 3, 4))  # (B, w)
+    return (per_frame * counted).sum(), counted.sum()
+
+
+def still_target(frames: torch.Tensor, last: torch.Tensor, per_pixel: bool = False) -> torch.Tensor:
+    """1.0 where a frame (B,w,C,H,W) is within STILL_PSNR of the last past frame (B,C,H,W), else 0.0 (data range 2).
+
+    Returns (B,w,1,1,1), or with `per_pixel` (B,w,1,H,W) (the squared difference averaged over channels only).
+    """
+    se = (frames.float() - last.float()[:, None]).pow(2).mean(dim=2, keepdim=True)  # (B,w,1,H,W)
+    if not per_pixel:
+        se = se.mean(dim=(3, 4), keepdim=True)  # (B,w,1,1,1)
+    return (se <= 4.0 * 10 ** (-STILL_PSNR / 10)).float()
 
 
 def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None,

@@ -198,7 +198,8 @@ class Trainer:
                                                       self.generator, self.autocast, tc.loss_weight,
                                                       tc.min_snr_gamma, **extras,
                                                       context_noise_max=tc.context_noise_max,
-                                                      memory_dropout=tc.memory_dropout, drop_memory=drop)
+                                                      memory_dropout=tc.memory_dropout, drop_memory=drop,
+                                                      copy_gate_loss=tc.copy_gate_loss)
                 total.backward()
             total_sum += total.detach().float()
             count_sum += count.detach().float()
