@@ -17,7 +17,7 @@ from arvdm.model.denoiser import COPY_GATE_BIAS, Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.schedules.presets import fifo
-from arvdm.training.objective import STILL_PSNR, _memory, diffusion_forcing_loss, still_target
+from arvdm.training.objective import _memory, copy_target, diffusion_forcing_loss
 from memory import MemoryFrames
 
 GATED = ("model.last_frame_input=true", "model.copy_gate=pixel")
@@ -165,30 +165,30 @@ def test_the_loss_reaches_the_gate():
     assert model.decoder.out.bias.grad[-1].abs() > 0 and torch.isfinite(model.decoder.out.weight.grad).all()
 
 
-def test_still_target_marks_frames_within_still_psnr_of_the_last():
+def test_copy_target_marks_where_the_last_frame_beats_the_network():
     last = clip(1, seed=3)[0][:, 0]  # (B, C, S, S)
-    noise = torch.randn((2, *last.shape), generator=torch.Generator().manual_seed(0))  # MSE σ² -> PSNR 10 log10(4/σ²)
-    near, far = (last + 2 * 10 ** (-(STILL_PSNR + d) / 20) * n for d, n in ((1, noise[0]), (-1, noise[1])))
-    frames = torch.stack([last, near, far], dim=1)  # (B, 3, C, S, S): exact, 36 dB, 34 dB
-    assert still_target(frames, last).flatten(1).tolist() == [[1.0, 1.0, 0.0]] * B
-    half = frames.clone()
-    half[..., : S // 2] += 0.5  # the left half moves, the right half stands still
-    per_pixel = still_target(half, last, per_pixel=True)  # (B, 3, 1, S, S)
+    frames = torch.stack([last, last + 0.1, last + 0.3], dim=1)  # (B, 3, C, S, S)
+    x0_hat = frames + torch.tensor([0.01, 0.2, 0.2])[None, :, None, None, None]  # the network: close, off, off
+    assert copy_target(frames, last, x0_hat).flatten(1).tolist() == [[1.0, 1.0, 0.0]] * B  # 0 < 1e-4; .01 < .04
+    half = x0_hat.clone()
+    half[..., : S // 2] = frames[..., : S // 2]  # the network exact on the left half
+    per_pixel = copy_target(frames, last, half, per_pixel=True)  # (B, 3, 1, S, S)
     assert per_pixel.shape == (B, 3, 1, S, S)
-    assert per_pixel[..., : S // 2].max() == 0 and per_pixel[:, 0, ..., S // 2:].min() == 1
+    assert per_pixel[:, 1:, ..., : S // 2].max() == 0 and per_pixel[:, 1, ..., S // 2:].min() == 1
+    assert per_pixel[:, 2, ..., S // 2:].max() == 0
 
 
 @pytest.mark.parametrize("gate", ["pixel", "frame"])
 def test_the_gate_loss_adds_the_bce_of_the_gate_and_draws_nothing(gate):
-    """total(λ) − total(0) = λ Σ over counted frames of BCE(gate, still): the same levels, noise and v (same draws);
-    on a clip that stands still it pulls the gate open, on one that moves it pushes it shut."""
+    """total(λ) − total(0) = λ Σ over counted frames of BCE(gate logit, copy_target), recomputed here from the same
+    draws (levels, then noise); the term draws nothing; on a clip that stands still it pulls the gate open."""
     video, act = clip(6, seed=1)
     still = video.clone()
     still[:, 3:] = video[:, 3:4]  # memory's last frame held through the window
-    for clip_video, sign in ((still, -1), (video, +1)):
+    for clip_video in (video, still):
         grads, totals, states = [], [], []
         for lam in (0.0, 0.5):
-            model = make(logit=0.0, gate=gate).train()
+            model = make(gate=gate).train()
             g = torch.Generator().manual_seed(0)
             total, counted = diffusion_forcing_loss(model, PerFrameDiffusion(model.cfg.diffusion), clip_video, act, 4,
                                                     K, g, weight="min_snr", copy_gate_loss=lam)
@@ -197,11 +197,20 @@ def test_the_gate_loss_adds_the_bce_of_the_gate_and_draws_nothing(gate):
             totals.append(total.item())
             states.append(g.get_state())
         assert torch.equal(states[0], states[1])  # the term drew nothing
-        levels = torch.randint(0, K + 1, (B, 2), generator=torch.Generator().manual_seed(0))
-        target = float(sign < 0)
-        bce = F.binary_cross_entropy_with_logits(torch.tensor(COPY_GATE_BIAS), torch.tensor(target)).item()
-        assert totals[1] - totals[0] == pytest.approx(0.5 * bce * float((levels > 0).sum()), rel=1e-4)
-        assert sign * (grads[1] - grads[0]) > 0
+        g = torch.Generator().manual_seed(0)
+        levels = torch.randint(0, K + 1, (B, 2), generator=g)
+        noise = torch.randn(clip_video[:, 4:].shape, generator=g)
+        diffusion = PerFrameDiffusion(model.cfg.diffusion)
+        with torch.no_grad():
+            _, logit, x0_hat = model(diffusion.add_noise(clip_video[:, 4:], noise, levels), levels, act[:, 4:],
+                                     memory=MemoryFrames(clip_video[:, :4], act[:, :4]), return_gate=True)
+        wins = copy_target(clip_video[:, 4:], clip_video[:, 3], x0_hat, per_pixel=gate == "pixel")
+        bce = F.binary_cross_entropy_with_logits(logit, wins, reduction="none").mean(dim=(2, 3, 4))  # (B, 2)
+        assert totals[1] - totals[0] == pytest.approx(0.5 * float((bce * (levels > 0)).sum()), rel=1e-4)
+        if clip_video is still:
+            assert wins.min() == 1 and grads[1] < grads[0]  # copying is exact: the term opens the gate
+        else:
+            assert wins.min() == 0  # a moving clip: the network wins somewhere
 
 
 def test_config_refuses_a_bad_gate_loss():

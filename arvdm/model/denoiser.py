@@ -282,11 +282,12 @@ class Denoiser(nn.Module):
             memory: explicit past frames (training, uncached rollout); the model uses exactly what it is
                 given (retention is the bank's job). Their positions fix where the window starts.
             state: a `RolloutState` (cached rollout); the window starts at `state.n_committed`.
-            return_gate: also return model.copy_gate's logit (B,T,1,H,W) or (B,T,1,1,1), offset included (None
-                without the gate or without a last frame): the loss supervises it (train.copy_gate_loss).
+            return_gate: also return model.copy_gate's logit (B,T,1,H,W) or (B,T,1,1,1), offset included, and the
+                network's own clean frame x̂0 (B,T,C,H,W) float32, before the gate (both None without the gate or
+                without a last frame): the loss supervises the gate with them (train.copy_gate_loss).
 
         Returns:
-            (B,T,C,H,W) v-prediction for the window only (and the gate's logit with `return_gate`).
+            (B,T,C,H,W) v-prediction for the window only (and the gate's logit and x̂0 with `return_gate`).
         """
         self._check_window(x, levels, actions)
         if memory is not None and state is not None:
@@ -337,11 +338,11 @@ class Denoiser(nn.Module):
                          cross_kv=cross_kv)
         h = h[:, n_prefix:]  # the window's tokens only (B,T,N,D)
         out = self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C(+1),H,W)
-        v, logit = self._copy_last(out, x, levels, last) if self.copy_gate else (out, None)  # (B,T,C,H,W)
-        return (v, logit) if return_gate else v
+        v, logit, x0_hat = self._copy_last(out, x, levels, last) if self.copy_gate else (out, None, None)
+        return (v, logit, x0_hat) if return_gate else v  # v (B,T,C,H,W)
 
     def _copy_last(self, out: torch.Tensor, x: torch.Tensor, levels: torch.Tensor,
-                   last: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   last: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """model.copy_gate: v whose clean frame is the network's, gated per pixel (or per frame) towards the last frame.
 
         The decoder gives v̂ (B,T,C,H,W) and a logit z (B,T,1,H,W) (copy_gate=frame: its mean over the frame);
@@ -349,10 +350,10 @@ class Denoiser(nn.Module):
         is x0 = x̂0 + g (last − x̂0) and the v returned is the one that gives it, v = v̂ + g (x̂0 − last) / √(1−ᾱ): a
         scene that stands still is a gate of 1, not a level-dependent mix of x and last to compute. Frames at level 0
         (which never move) and calls without a last frame (no memory) get v̂. Float32 (the division is large at low
-        levels). Returns v and the gate's logit z + COPY_GATE_BIAS (None without a last frame)."""
+        levels). Returns v, the gate's logit z + COPY_GATE_BIAS and x̂0 (None, None without a last frame)."""
         v_hat, logit = out[:, :, :-1], out[:, :, -1:]  # (B,T,C,H,W), (B,T,1,H,W)
         if last is None:
-            return v_hat, None
+            return v_hat, None, None
         if self.gate_per_frame:  # one gate per frame: "the scene stands still", not "this pixel does"
             logit = logit.mean(dim=(-2, -1), keepdim=True)  # (B,T,1,1,1)
         v_hat32 = v_hat.float()
@@ -361,7 +362,7 @@ class Denoiser(nn.Module):
         x0_hat = s * x.float() - s1 * v_hat32  # (B,T,C,H,W)
         logit = logit.float() + COPY_GATE_BIAS  # (B,T,1,H,W) or (B,T,1,1,1)
         v = v_hat32 + torch.sigmoid(logit) * (x0_hat - last.float()[:, None]) / s1.clamp_min(1e-6)
-        return torch.where(s1 > 0, v, v_hat32).to(out.dtype), logit  # (B,T,C,H,W)
+        return torch.where(s1 > 0, v, v_hat32).to(out.dtype), logit, x0_hat  # (B,T,C,H,W), logit, x̂0
 
     # -- cached rollout ----------------------------------------------------------------------------
     def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None,

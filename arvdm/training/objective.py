@@ -29,9 +29,6 @@ from memory import MemoryFrames
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
 ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
-# train.copy_gate_loss: a window frame within this PSNR of the clean last past frame "stands still" (the gate's
-# target is 1 there); per pixel for the pixel gate. ~10% of consecutive frames of the mixed data set (RESULTS.md)
-STILL_PSNR = 35.0
 
 
 def memory_frames(frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
@@ -71,9 +68,10 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     `drop_memory` given (True/False) replaces the coin: the trainer decides per step, the same on every DDP rank
     (a per-rank coin would leave the memory path's gradients missing on some ranks only).
 
-    `copy_gate_loss` λ > 0 (model.copy_gate): each counted frame's term also gets λ · BCE(gate, still), the gate
-    told directly whether the frame stands still (`still_target`) rather than only through the v-MSE, whose pull
-    on the gate fades as the gate opens. Nothing is added for a batch without memory (no last frame, no gate).
+    `copy_gate_loss` λ > 0 (model.copy_gate): each counted frame's term also gets λ · BCE(gate, copy wins), the gate
+    told directly whether the last frame is the better clean frame than the network's own x̂0 (`copy_target`),
+    rather than only through the v-MSE, whose pull on the gate fades as the gate opens. Nothing is added for a
+    batch without memory (no last frame, no gate).
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -88,7 +86,7 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     logit = None
     with autocast():
         if copy_gate_loss > 0:
-            v, logit = model(x_t, levels, act, memory=mem, return_gate=True)  # logit (B, w, 1, H|1, W|1) or None
+            v, logit, x0_hat = model(x_t, levels, act, memory=mem, return_gate=True)  # logit (B,w,1,H|1,W|1) | None
         else:
             v = model(x_t, levels, act, memory=mem)  # (B, w, C, H, W)
     per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
@@ -96,21 +94,23 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     w_levels = diffusion.loss_weight(levels, weight, gamma).to(per_frame.dtype)  # (B, w)
     per_frame = per_frame * w_levels
     if logit is not None:
-        still = still_target(x0, video[:, m - 1], per_pixel=logit.shape[-1] > 1)  # (B, w, 1, H|1, W|1)
-        bce = F.binary_cross_entropy_with_logits(logit.float(), still, reduction="none")
+        wins = copy_target(x0, video[:, m - 1], x0_hat, per_pixel=logit.shape[-1] > 1)  # (B, w, 1, H|1, W|1)
+        bce = F.binary_cross_entropy_with_logits(logit.float(), wins, reduction="none")
         per_frame = per_frame + copy_gate_loss * bce.mean(dim=(2, 3, 4))  # (B, w)
     return (per_frame * counted).sum(), counted.sum()
 
 
-def still_target(frames: torch.Tensor, last: torch.Tensor, per_pixel: bool = False) -> torch.Tensor:
-    """1.0 where a frame (B,w,C,H,W) is within STILL_PSNR of the last past frame (B,C,H,W), else 0.0 (data range 2).
-
-    Returns (B,w,1,1,1), or with `per_pixel` (B,w,1,H,W) (the squared difference averaged over channels only).
-    """
-    se = (frames.float() - last.float()[:, None]).pow(2).mean(dim=2, keepdim=True)  # (B,w,1,H,W)
+def copy_target(frames: torch.Tensor, last: torch.Tensor, x0_hat: torch.Tensor,
+                per_pixel: bool = False) -> torch.Tensor:
+    """1.0 where the last past frame (B,C,H,W) is closer to the true frame (B,w,C,H,W) than the network's x̂0
+    (B,w,C,H,W) is, else 0.0: where copying is the better clean frame (a still scene at any level; a moving one at
+    none, a slow one only at high noise, where x̂0 is a blur). Squared error over the frame, or with `per_pixel`
+    over channels only. Returns (B,w,1,1,1) or (B,w,1,H,W); no gradient (x̂0 is detached)."""
+    se_copy = (frames.float() - last.float()[:, None]).pow(2).mean(dim=2, keepdim=True)  # (B,w,1,H,W)
+    se_net = (frames.float() - x0_hat.detach().float()).pow(2).mean(dim=2, keepdim=True)  # (B,w,1,H,W)
     if not per_pixel:
-        se = se.mean(dim=(3, 4), keepdim=True)  # (B,w,1,1,1)
-    return (se <= 4.0 * 10 ** (-STILL_PSNR / 10)).float()
+        se_copy, se_net = se_copy.mean(dim=(3, 4), keepdim=True), se_net.mean(dim=(3, 4), keepdim=True)
+    return (se_copy < se_net).float()
 
 
 def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None,
