@@ -262,7 +262,7 @@ class TrainConfig:
     rollout_frames: int = 0
     rollout_steps: int = 5
     rollout_share: float = 1.0  # share of clips given the generated frames; the rest keep the real ones
-    copy_gate_loss: float = 0.0  # model.copy_gate: weight of the gate's "copy wins" BCE (objective.copy_target)
+    copy_gate_loss: float = 0.0  # model.copy_gate: weight of the BCE to the best gate (objective.copy_target)
 
     def validate(self) -> None:
         for key in ("window", "batch_size", "max_steps", "keep_checkpoints", "grad_accum", "cpu_ranks"):

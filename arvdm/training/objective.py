@@ -68,8 +68,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     `drop_memory` given (True/False) replaces the coin: the trainer decides per step, the same on every DDP rank
     (a per-rank coin would leave the memory path's gradients missing on some ranks only).
 
-    `copy_gate_loss` λ > 0 (model.copy_gate): each counted frame's term also gets λ · BCE(gate, copy wins), the gate
-    told directly whether the last frame is the better clean frame than the network's own x̂0 (`copy_target`),
+    `copy_gate_loss` λ > 0 (model.copy_gate): each counted frame's term also gets λ · BCE(gate, g*), the gate told
+    directly the share of the last frame that makes the network's x̂0 best (`copy_target`),
     rather than only through the v-MSE, whose pull on the gate fades as the gate opens. Nothing is added for a
     batch without memory (no last frame, no gate).
     """
@@ -94,23 +94,25 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     w_levels = diffusion.loss_weight(levels, weight, gamma).to(per_frame.dtype)  # (B, w)
     per_frame = per_frame * w_levels
     if logit is not None:
-        wins = copy_target(x0, video[:, m - 1], x0_hat, per_pixel=logit.shape[-1] > 1)  # (B, w, 1, H|1, W|1)
-        bce = F.binary_cross_entropy_with_logits(logit.float(), wins, reduction="none")
+        share = copy_target(x0, video[:, m - 1], x0_hat, per_pixel=logit.shape[-1] > 1)  # (B, w, 1, H|1, W|1)
+        bce = F.binary_cross_entropy_with_logits(logit.float(), share, reduction="none")
         per_frame = per_frame + copy_gate_loss * bce.mean(dim=(2, 3, 4))  # (B, w)
     return (per_frame * counted).sum(), counted.sum()
 
 
 def copy_target(frames: torch.Tensor, last: torch.Tensor, x0_hat: torch.Tensor,
                 per_pixel: bool = False) -> torch.Tensor:
-    """1.0 where the last past frame (B,C,H,W) is closer to the true frame (B,w,C,H,W) than the network's x̂0
-    (B,w,C,H,W) is, else 0.0: where copying is the better clean frame (a still scene at any level; a moving one at
-    none, a slow one only at high noise, where x̂0 is a blur). Squared error over the frame, or with `per_pixel`
-    over channels only. Returns (B,w,1,1,1) or (B,w,1,H,W); no gradient (x̂0 is detached)."""
-    se_copy = (frames.float() - last.float()[:, None]).pow(2).mean(dim=2, keepdim=True)  # (B,w,1,H,W)
-    se_net = (frames.float() - x0_hat.detach().float()).pow(2).mean(dim=2, keepdim=True)  # (B,w,1,H,W)
-    if not per_pixel:
-        se_copy, se_net = se_copy.mean(dim=(3, 4), keepdim=True), se_net.mean(dim=(3, 4), keepdim=True)
-    return (se_copy < se_net).float()
+    """The share g* in [0, 1] of the last past frame (B,C,H,W) that brings the network's x̂0 (B,w,C,H,W) closest to
+    the true frame (B,w,C,H,W): x̂0 + g (last − x̂0) is nearest at g* = <x0 − x̂0, last − x̂0> / |last − x̂0|², clipped
+    (the v-MSE's own optimum for this sample). A scene that stands still gives 1 at every level; a moving one 0, or
+    a part at high noise where x̂0 is a blur. Over the frame, or with `per_pixel` over channels only. Returns
+    (B,w,1,1,1) or (B,w,1,H,W); no gradient (x̂0 is detached)."""
+    d_true = frames.float() - x0_hat.detach().float()  # (B,w,C,H,W)
+    d_last = last.float()[:, None] - x0_hat.detach().float()  # (B,w,C,H,W)
+    dims = (2,) if per_pixel else (2, 3, 4)
+    num = (d_true * d_last).sum(dim=dims, keepdim=True)  # (B,w,1,H,W) or (B,w,1,1,1)
+    den = d_last.pow(2).sum(dim=dims, keepdim=True)
+    return (num / den.clamp_min(1e-8)).clamp(0.0, 1.0)
 
 
 def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None,
