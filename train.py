@@ -130,7 +130,11 @@ def main(argv=None) -> int:
         train(cfg, out, resume=args.resume, generate_data=not args.data, device=args.device)
     except DistributedError as e:  # another rank died or hung: say so instead of a traceback or a hang
         print(f"train.py: error: {e}", file=sys.stderr)
-        return 1
+        # leave now: at interpreter exit gloo's threads may still hold the dead peer's socket, and their teardown can
+        # abort the process (SIGABRT, "terminate called without an active exception") instead of exiting with 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     except USER_ERRORS as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
