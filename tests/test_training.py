@@ -301,3 +301,17 @@ def test_the_data_seed_is_not_the_training_seed(monkeypatch):
         prepare_data(apply_overrides(get_preset("tiny_time"), [f"train.seed={train_seed}"]))
     prepare_data(apply_overrides(get_preset("tiny_time"), ["data.generate_seed=7"]))
     assert asked == [0, 0, 7]
+
+
+def test_the_trainer_adds_the_copy_gate_term(tmp_path, data):
+    """train.copy_gate_loss reaches the loss the trainer optimises: the same first step (same draws) logs a larger
+    loss with λ > 0 than with λ = 0 (the BCE is positive)."""
+    losses = []
+    for lam in (0.0, 1.0):
+        run = tmp_path / f"run{lam}"
+        cfg = tiny_cfg(data, "model.last_frame_input=true", "model.copy_gate=frame", f"train.copy_gate_loss={lam}",
+                       "train.max_steps=1", "train.log_every=1", "train.val_every=0", "train.sample_every=0")
+        Trainer(cfg, run, device="cpu").fit()
+        rows = list(csv.DictReader(open(run / "log.csv")))
+        losses.append(float(rows[0]["loss"]))
+    assert losses[1] > losses[0] + 1e-3
