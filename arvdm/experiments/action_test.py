@@ -1,0 +1,164 @@
+"""The action test: does a rollout follow the actions it is given, and is its error drift or uncertainty?
+
+    python -m arvdm.experiments.action_test --run runs/tiny --data datasets/random_seed4
+
+From the same true context, every episode is rolled out three times (chunked schedule, the run's k_ctx):
+
+* ``own``   with its own actions and noise seed s,
+* ``noise`` with its own actions and another noise seed (s + 1),
+* ``other`` with another episode's actions (the set's actions shifted by one episode) and noise seed s.
+
+Per span of generated frames (first 4, 5-16, 17-64, 65-120, as far as the rollout reaches), PSNR against the
+truth of ``own`` and ``other`` with their paired difference (what the true actions buy; 95% episode-bootstrap
+interval), and two agreements between rollouts: ``own`` vs ``noise`` (how far the noise alone moves a rollout) and
+``own`` vs ``other`` (how far the actions move it). A model that follows its actions has its rollouts moved more
+by the actions than by the noise, and the true actions buy PSNR. The **self-agreement gap**, PSNR(own, noise)
+minus PSNR(own, truth), reads the error: two samples of a calibrated model are as far from each other as from the
+truth (gap ~ 0: what is left is uncertainty, which no sampler setting removes); a gap > 0 means the samples agree
+on something the truth does not do (drift, a systematic error). Writes ``action_test.json`` into --out (default
+RUN/action_test/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from arvdm.config import SamplingError
+from arvdm.errors import USER_ERRORS
+from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
+from arvdm.evaluation.probes import paired_difference
+from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.rollout import rollout
+from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
+from arvdm.schedules.presets import get_schedule
+from data.atomic import atomic_write_text
+
+__all__ = ["action_test", "run_action_test", "summarise"]
+
+ROLLOUTS = ("own", "noise", "other")
+SPANS = ((0, 4), (4, 16), (16, 64), (64, 120))  # generated frames [a, b): first 4, 5-16, 17-64, 65-120
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+    """(N, T) per-frame PSNR of (N, T, C, H, W) videos, capped at PSNR_CAP (identical frames are not infinite)."""
+    return psnr_per_frame(a.float(), b.float()).clamp(max=PSNR_CAP).double().numpy()
+
+
+def run_action_test(model: Any, cfg: Any, real: torch.Tensor, actions: torch.Tensor, context: int,
+                    poses: torch.Tensor | None = None, steps: int = 20, seed: int = 0, batch_size: int = 8,
+                    progress: bool = True) -> dict[str, torch.Tensor]:
+    """The three rollouts of every episode of ``real`` (N, T, C, H, W) with ``actions`` (N, T) after its first
+    ``context`` frames: {"own", "noise", "other"} -> (N, T - context, C, H, W), plus "real" (the truth's part)."""
+    n, t = actions.shape
+    if n < 2:
+        raise SamplingError(f"the action test needs at least 2 episodes (one lends its actions to another), got {n}")
+    if not 1 <= context < t:
+        raise SamplingError(f"--context {context}: must be >= 1 and leave frames to generate (episodes hold {t})")
+    diffusion = PerFrameDiffusion(cfg.diffusion)
+    schedule = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, steps,
+                            context_level=cfg.diffusion.context_level)
+    other = actions.roll(1, dims=0)  # episode i gets episode i-1's actions after the context
+    other[:, :context] = actions[:, :context]
+    n_gen = t - context
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in ROLLOUTS}
+    for i in tqdm(range(0, n, batch_size), desc="action test", unit="batch", disable=not progress):
+        r, p = real[i:i + batch_size], None if poses is None else poses[i:i + batch_size]
+        for kind, acts, s in (("own", actions, seed), ("noise", actions, seed + 1), ("other", other, seed)):
+            a = acts[i:i + batch_size]
+            gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
+                          generator=torch.Generator().manual_seed(s * 100_003 + i), progress=False,
+                          poses=p if cfg.memory.select == "pose" else None)  # (b, n_gen, C, H, W)
+            out[kind].append(gen.float().cpu())
+    return {**{k: torch.cat(v) for k, v in out.items()}, "real": real[:, context:].float(),
+            "last": real[:, context - 1:context].float()}
+
+
+def summarise(videos: dict[str, torch.Tensor], n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Per span: PSNR vs truth (own, other, copy-last), own − other with a 95% episode-bootstrap interval, the
+    agreements own–noise and own–other, and the self-agreement gap. Spans past the rollout are left out."""
+    real, own = videos["real"], videos["own"]
+    curves = {"own": _psnr(own, real), "other": _psnr(videos["other"], real),
+              "copy_last": _psnr(videos["last"].expand_as(real), real),
+              "agree_noise": _psnr(own, videos["noise"]), "agree_actions": _psnr(own, videos["other"])}
+    n, t = curves["own"].shape
+    episodes = np.arange(n)
+    spans = []
+    for a, b in SPANS:
+        if a >= t:
+            break
+        m = {k: v[:, a:min(b, t)].mean(axis=1) for k, v in curves.items()}  # (N,) per-episode span means
+        diff = paired_difference(m["own"], m["other"], episodes, n_boot=n_boot, seed=seed)
+        spans.append({"span": f"{a + 1}-{min(b, t)}", **{k: float(v.mean()) for k, v in m.items()},
+                      "own_minus_other": {k: diff[k] for k in ("mean", "lo", "hi")},
+                      "self_agreement_gap": float((m["agree_noise"] - m["own"]).mean()),
+                      "actions_move_less_than_noise": bool(m["agree_actions"].mean() > m["agree_noise"].mean())})
+    return {"episodes": n, "generated_frames": t, "spans": spans}
+
+
+def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frames: int = 64, steps: int = 20,
+                seed: int = 0, split: str = "training", device: str = "cpu", progress: bool = True) -> dict[str, Any]:
+    """Load ``run`` and ``episodes`` episodes of ``data``, roll them out three ways, summarise."""
+    model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
+    real, actions, poses = load_validation_episodes(data, cfg, episodes, context, frames, split=split)
+    if cfg.memory.select == "pose" and poses is None:
+        raise SamplingError(f"{data}: the run chooses memory by pose, but the episodes have no 'pose' array")
+    videos = run_action_test(model, cfg, real.to(device), actions.to(device), context,
+                             None if poses is None else poses.to(device), steps, seed, progress=progress)
+    return {"run": str(run), "data": str(data), "split": split, "context": context, "seed": seed,
+            **summarise(videos, seed=seed)}
+
+
+def describe(result: dict[str, Any]) -> str:
+    """The result in lines a person reads."""
+    lines = [f"{result['episodes']} episodes, {result['generated_frames']} generated frames after "
+             f"{result['context']} context frames (PSNR dB; agreements = PSNR between two rollouts)"]
+    for s in result["spans"]:
+        d = s["own_minus_other"]
+        lines.append(f"frames {s['span']:>7}: own actions {s['own']:.2f}, other actions {s['other']:.2f} "
+                     f"(true actions buy {d['mean']:+.2f} [95% {d['lo']:+.2f}, {d['hi']:+.2f}]), copy-last "
+                     f"{s['copy_last']:.2f}; agreement noise {s['agree_noise']:.2f} / actions {s['agree_actions']:.2f}"
+                     f"{' (actions move the rollout LESS than the noise)' if s['actions_move_less_than_noise'] else ''}"
+                     f"; self-agreement gap {s['self_agreement_gap']:+.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True)
+    p.add_argument("--data", required=True, help="a TECO-layout folder of episodes (e.g. --policy random)")
+    p.add_argument("--split", default="training", choices=["training", "validation"])
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--context", type=int, default=8)
+    p.add_argument("--frames", type=int, default=64, help="frames to generate")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    for flag in ("episodes", "frames", "steps"):
+        if getattr(args, flag) < 1:
+            print(f"action_test: error: --{flag} must be >= 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
+    try:
+        result = action_test(args.run, args.data, args.episodes, args.context, args.frames, args.steps, args.seed,
+                             args.split, args.device)
+    except USER_ERRORS as err:
+        print(f"action_test: error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path(args.run) / "action_test")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "action_test.json", json.dumps(result, indent=2))
+    print(describe(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The action test (arvdm/experiments/action_test.py): its summary against hand-computed PSNRs, and its three
+rollouts on a tiny random model (same noise for own and other actions, other noise for the noise rollout)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from arvdm.config import SamplingError, apply_overrides, get_preset
+from arvdm.experiments import action_test as at
+from arvdm.model.denoiser import Denoiser
+
+
+def _psnr(offset: float) -> float:
+    return 10 * math.log10(4 / offset ** 2)  # frames in [-1, 1]: data range 2
+
+
+def _videos(n=5, t=20, own=0.1, other=0.2, noise=0.05):
+    """Truth 0; every rollout a constant offset from it, so each PSNR is known by hand."""
+    real = torch.zeros(n, t, 3, 8, 8)
+    return {"real": real, "last": real[:, :1] + 0.5, "own": real + own, "other": real + other,
+            "noise": real + own + noise}
+
+
+def test_the_summary_matches_hand_computed_psnrs():
+    res = at.summarise(_videos(), n_boot=200)
+    assert [s["span"] for s in res["spans"]] == ["1-4", "5-16", "17-20"]  # cut at the 20 generated frames
+    for s in res["spans"]:
+        assert s["own"] == pytest.approx(_psnr(0.1), abs=1e-3)
+        assert s["other"] == pytest.approx(_psnr(0.2), abs=1e-3)
+        assert s["copy_last"] == pytest.approx(_psnr(0.5), abs=1e-3)
+        assert s["own_minus_other"]["mean"] == pytest.approx(_psnr(0.1) - _psnr(0.2), abs=1e-3)
+        assert s["agree_noise"] == pytest.approx(_psnr(0.05), abs=1e-3)
+        assert s["agree_actions"] == pytest.approx(_psnr(0.1), abs=1e-3)  # own - other = 0.1
+        assert s["self_agreement_gap"] == pytest.approx(_psnr(0.05) - _psnr(0.1), abs=1e-3)
+        assert not s["actions_move_less_than_noise"]
+
+
+def test_actions_that_move_the_rollout_less_than_the_noise_are_flagged():
+    res = at.summarise(_videos(own=0.1, other=0.12, noise=0.3), n_boot=200)
+    s = res["spans"][0]
+    assert s["agree_actions"] > s["agree_noise"] and s["actions_move_less_than_noise"]
+    assert s["self_agreement_gap"] < 0  # samples further apart than from the truth: over-dispersed
+
+
+def test_the_bootstrap_interval_brackets_a_varying_difference():
+    v = _videos(n=8)
+    v["other"] = v["other"] * torch.linspace(0.5, 2.0, 8)[:, None, None, None, None]  # episodes differ
+    d = at.summarise(v, n_boot=500)["spans"][0]["own_minus_other"]
+    assert d["lo"] < d["mean"] < d["hi"]
+
+
+def _model():
+    cfg = apply_overrides(get_preset("tiny"), [
+        "model.unet_channels=[8,16]", "model.dim=32", "model.depth=1", "model.image_size=16", "data.resize=16",
+        "diffusion.num_levels=10", "diffusion.context_level=0", "train.context_noise_max=0",
+        "memory.select=time", "memory.pose_frames=0", "memory.length=2", "train.window=2"])
+    torch.manual_seed(0)
+    model = Denoiser(cfg).eval()
+    with torch.no_grad():  # random weights everywhere: a fresh model's zero-initialised layers ignore the actions
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model, cfg
+
+
+def _episodes(n=3, t=8, same_actions=False):
+    g = torch.Generator().manual_seed(1)
+    real = torch.rand(n, t, 3, 16, 16, generator=g) * 2 - 1
+    actions = torch.randint(0, 6, (1 if same_actions else n, t), generator=g).expand(n, t).clone()
+    return real, actions
+
+
+def test_the_other_rollout_differs_from_own_only_by_its_actions():
+    model, cfg = _model()
+    real, actions = _episodes(same_actions=True)  # every episode lends the same actions: other == own, exactly
+    out = at.run_action_test(model, cfg, real, actions, context=4, steps=3, batch_size=2, progress=False)
+    assert out["own"].shape == (3, 4, 3, 16, 16)
+    assert torch.equal(out["own"], out["other"])
+    assert not torch.allclose(out["own"], out["noise"])  # another noise seed: another sample
+    assert torch.equal(out["real"], real[:, 4:])
+
+
+def test_other_actions_change_the_rollout():
+    model, cfg = _model()
+    real, actions = _episodes()
+    assert not torch.equal(actions, actions.roll(1, 0))
+    out = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False)
+    assert not torch.allclose(out["own"], out["other"])
+
+
+@pytest.mark.parametrize("n, context", [(1, 4), (3, 0), (3, 8)])
+def test_bad_inputs_are_refused_with_a_message(n, context):
+    model, cfg = _model()
+    real, actions = _episodes(n=n)
+    with pytest.raises(SamplingError, match="episodes|--context"):
+        at.run_action_test(model, cfg, real, actions, context=context, steps=2, progress=False)
+
+
+def test_the_cli_exits_2_naming_a_bad_flag_or_a_missing_run(tmp_path, capsys):
+    assert at.main(["--run", str(tmp_path / "none"), "--data", str(tmp_path), "--frames", "0"]) == 2
+    assert "--frames" in capsys.readouterr().err
+    assert at.main(["--run", str(tmp_path / "none"), "--data", str(tmp_path)]) == 2
+    assert "action_test: error:" in capsys.readouterr().err
