@@ -8,6 +8,9 @@ From the same true context, every episode is rolled out three times (chunked sch
 * ``noise`` with its own actions and another noise seed (s + 1),
 * ``other`` with another episode's actions (the set's actions shifted by one episode) and noise seed s.
 
+A pose-aware run keeps choosing memory by the episode's own poses in all three, so ``other`` changes the actions
+only, with the memory choice held: the test isolates what the actions do.
+
 Per span of generated frames (first 4, 5-16, 17-64, 65-120, as far as the rollout reaches), PSNR against the
 truth of ``own`` and ``other`` with their paired difference (what the true actions buy; 95% episode-bootstrap
 interval), and two agreements between rollouts: ``own`` vs ``noise`` (how far the noise alone moves a rollout) and
