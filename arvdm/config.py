@@ -107,10 +107,10 @@ class ModelConfig:
     unet_channels: list = field(default_factory=list)
     frames_per_chunk: int = 1  # c: frames that see each other; serves schedules whose delta is a multiple of c
     temporal_attention: str = FACTORIZED  # one of TEMPORAL_ATTENTION_FORMS
-    # The most recent past frame at full resolution beside every window frame (GameNGen feeds past frames to the
-    # U-Net's input): a zero-init conv of it joins the first conv's output. Needs unet_channels, memory.length >= 1.
-    last_frame_input: bool = False
+    # The last past frame at full resolution beside every window frame (GameNGen), through a zero-init conv
+    last_frame_input: bool = False  # added to the first conv's output. Needs unet_channels, memory.length >= 1.
     copy_gate: str = "off"  # a gate on the predicted clean frame that copies the last frame: COPY_GATES (Denoiser)
+    action_advection: int = 0  # r > 0: that frame moved along the actions by learned (2r+1)^2 kernels (ActionAdvection)
 
     @property
     def token_grid(self) -> int:
@@ -138,6 +138,9 @@ class ModelConfig:
         _check(isinstance(self.last_frame_input, bool), "model.last_frame_input", self.last_frame_input, "must be bool")
         _check(self.copy_gate in COPY_GATES and (self.copy_gate == "off" or self.last_frame_input), "model.copy_gate",
                self.copy_gate, f"must be one of {COPY_GATES}; pixel and frame need model.last_frame_input=true")
+        _check(type(self.action_advection) is int and 0 <= self.action_advection < self.image_size and not (
+            self.action_advection and not self.last_frame_input), "model.action_advection", self.action_advection,
+            f"must be an int in 0..{self.image_size - 1} (0 = off); > 0 needs model.last_frame_input=true")
         _check(not self.last_frame_input or bool(self.unet_channels), "model.last_frame_input", self.last_frame_input,
                "needs conv levels (model.unet_channels, e.g. [32, 64]): the last frame enters through the first conv")
         patch_values = self.patch_size ** 2 * self.channels
@@ -285,11 +288,8 @@ HYBRID_SELECT = ("online", "offline", "fixed")
 
 @dataclass
 class HybridConfig:
-    """Hybrid attention (LightTransfer, arXiv 2410.13846): some temporal layers stream (sink + recent).
-
-    The `fraction` of temporal-attention layers with the highest lazy ratios become streaming layers that
-    keep `sink` first frames + `recent` last frames; the others keep the full memory. See arvdm.hybrid.
-    """
+    """Hybrid attention (LightTransfer, arXiv 2410.13846): the `fraction` of temporal-attention layers with the
+    highest lazy ratios stream (keep `sink` first + `recent` last frames); the others keep all. See arvdm.hybrid."""
 
     fraction: float = 0.0  # share of temporal layers made streaming; 0 = the base model
     select: str = "online"  # online (during the context commit) | offline (lazy_ratios.json) | fixed (`layers`)
@@ -346,9 +346,8 @@ class Config:
         return self
 
     def default_context(self) -> int:
-        """Ground-truth frames a rollout conditions on unless told otherwise: the memory the model was trained
-        with (memory.length), rounded up to whole chunks, at least one chunk. The one rule sample.py, the
-        training sample videos, the grids and the hybrid report share."""
+        """Ground-truth frames a rollout conditions on unless told otherwise: memory.length rounded up to whole
+        chunks, at least one chunk (the one rule of sample.py, the sample videos, the grids, the hybrid report)."""
         c = self.model.frames_per_chunk
         return -(-max(self.memory.length, 1) // c) * c
 

@@ -39,13 +39,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         # the most recent past frame at full resolution beside every window frame (benchmarks/RESULTS.md:
         # +1.3 dB over frames 17-64 of fresh random-action episodes, paired)
         "model.last_frame_input": True,
+        # that frame moved along the window's actions by learned 21x21 kernels (CDNA advection; a turn shifts the
+        # 32 px frame ~7 px): +0.43 / +0.24 dB over generated frames 1-4 / 17-64 of fresh random-action episodes,
+        # paired; look-around memory gain +5.78 dB against +6.45 (benchmarks/RESULTS.md)
+        "model.action_advection": 10,
     },
     # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
     # the baseline a pose-aware run is compared with, and the preset tests of time-based machinery build on.
     # Without the levers and with the old step count: exactly the time-based main job the earlier measurements used.
     "tiny_time": {"memory.length": 4, "memory.select": "time", "memory.pose_frames": 0,
                   "train.context_noise_max": 0, "diffusion.context_level": 0, "train.memory_dropout": 0.0,
-                  "model.last_frame_input": False, "train.cpu_ranks": 1,
+                  "model.last_frame_input": False, "model.action_advection": 0, "train.cpu_ranks": 1,
                   "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500},
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {

@@ -172,11 +172,11 @@ def test_copy_target_is_the_share_of_the_last_frame_that_is_best():
     x0_hat = clip(5, seed=4)[0]  # (B, 5, C, S, S)
     d = last[:, None] - x0_hat
     frames = x0_hat + torch.tensor([1.0, 0.0, 0.5, 1.7, -0.3])[None, :, None, None, None] * d
-    assert copy_target(frames, last, x0_hat).flatten(1) == pytest.approx(torch.tensor([[1.0, 0, 0.5, 1, 0]] * B),
-                                                                           abs=1e-5)
+    assert copy_target(frames, last[:, None], x0_hat).flatten(1) == pytest.approx(
+        torch.tensor([[1.0, 0, 0.5, 1, 0]] * B), abs=1e-5)
     mixed = frames[:, 2].clone()  # the midpoint, with the left half at the last frame
     mixed[..., : S // 2] = last[..., : S // 2]
-    per_pixel = copy_target(mixed[:, None], last, x0_hat[:, 2:3], per_pixel=True)  # (B, 1, 1, S, S)
+    per_pixel = copy_target(mixed[:, None], last[:, None], x0_hat[:, 2:3], per_pixel=True)  # (B, 1, 1, S, S)
     assert per_pixel.shape == (B, 1, 1, S, S)
     assert per_pixel[..., : S // 2] == pytest.approx(torch.ones(B, 1, 1, S, S // 2), abs=1e-4)
     assert per_pixel[..., S // 2:] == pytest.approx(torch.full((B, 1, 1, S, S // 2), 0.5), abs=1e-4)
@@ -208,7 +208,7 @@ def test_the_gate_loss_adds_the_bce_of_the_gate_and_draws_nothing(gate):
         with torch.no_grad():
             _, logit, x0_hat = model(diffusion.add_noise(clip_video[:, 4:], noise, levels), levels, act[:, 4:],
                                      memory=MemoryFrames(clip_video[:, :4], act[:, :4]), return_gate=True)
-        share = copy_target(clip_video[:, 4:], clip_video[:, 3], x0_hat, per_pixel=gate == "pixel")
+        share = copy_target(clip_video[:, 4:], clip_video[:, 3, None], x0_hat, per_pixel=gate == "pixel")
         bce = F.binary_cross_entropy_with_logits(logit, share, reduction="none").mean(dim=(2, 3, 4))  # (B, 2)
         assert totals[1] - totals[0] == pytest.approx(0.5 * float((bce * (levels > 0)).sum()), rel=1e-4)
         if clip_video is still:

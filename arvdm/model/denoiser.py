@@ -14,7 +14,9 @@ Architecture (v-prediction; every frame has its own noise level):
 
     cond (B,T,D)  = MLP(sinusoidal(level / K)) + action embedding     (one vector per frame)
     x (B,T,C,H,W) --ConvEncoder--> (model.last_frame_input: + zero-init conv of the most recent past frame,
-                                   the memory's last, added to the stem's output of every window frame)
+                                   the memory's last, added to the stem's output of every window frame;
+                                   model.action_advection: + zero-init conv of that frame moved along the
+                                   window's actions by learned per-action kernels, `unet.ActionAdvection`)
                                    per level: ResBlock with adaptive group norm from cond, stride-2 down
                                    (model.unet_channels; [] = no conv levels, a plain patch DiT)
                   --patchify the lowest feature map--> tokens (B,T,N,D) + learned 2-D position embedding
@@ -62,7 +64,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.model.layers import Block, FinalLayer, LevelEmbedding, PoseTags, Rotary
 from arvdm.model.memory_path import DenoiserError
 from arvdm.model.state import RolloutState
-from arvdm.model.unet import ConvDecoder, ConvEncoder
+from arvdm.model.unet import ActionAdvection, ConvDecoder, ConvEncoder
 from memory import KVCache, MemoryFrames, RetentionPolicy, build_compressor, make_bank, relative_pose
 
 __all__ = ["Denoiser", "DenoiserError"]
@@ -119,6 +121,9 @@ class Denoiser(nn.Module):
         if self.last_frame_stem is not None:
             nn.init.zeros_(self.last_frame_stem.weight)
             nn.init.zeros_(self.last_frame_stem.bias)
+        # model.action_advection r: the last frame moved along the window's actions (CDNA kernels), a second input
+        self.advection = (ActionAdvection(mc.num_actions, mc.action_advection, mc.channels, unet[0])
+                          if mc.action_advection else None)
         token_in = unet[-1] if unet else mc.channels  # channels of the map that is patchified
         self.patch_embed = nn.Linear(token_in * mc.patch_size ** 2, d)
         self.pos_embed = nn.Parameter(torch.randn(1, 1, self.num_tokens, d) * POS_EMBED_INIT_STD)  # 2-D grid
@@ -189,11 +194,12 @@ class Denoiser(nn.Module):
         if window % c:
             raise DenoiserError(f"schedule window={window} is not a multiple of model.frames_per_chunk={c}")
 
-    def _embed_frames(self, x: torch.Tensor, cond: torch.Tensor,
-                      last: torch.Tensor | None = None) -> tuple[torch.Tensor, list | None]:
+    def _embed_frames(self, x: torch.Tensor, cond: torch.Tensor, last: torch.Tensor | None = None,
+                      advected: torch.Tensor | None = None) -> tuple[torch.Tensor, list | None]:
         """(B,T,C,H,W) frames, (B,T,D) cond -> tokens (B,T,N,D) with the position embedding, and the
         encoder's skips (per level (B*T,c,h,w); None without conv levels). `last` (B,C,H,W): the most recent past
-        frame, given to every one of the T frames (model.last_frame_input; None = not available / not used)."""
+        frame, given to every one of the T frames (model.last_frame_input; None = not available / not used);
+        `advected` (B,T,C,H,W): it moved along each frame's actions (model.action_advection)."""
         b, t, p = x.shape[0], x.shape[1], self.patch
         skips = None
         if self.encoder is not None:
@@ -201,6 +207,8 @@ class Denoiser(nn.Module):
             if last is not None:
                 e = self.last_frame_stem(last.to(x.dtype))  # (B,c0,H,W)
                 extra = e[:, None].expand(b, t, *e.shape[1:]).flatten(0, 1)  # (B*T,c0,H,W)
+                if advected is not None:
+                    extra = extra + self.advection.stem(advected.flatten(0, 1).to(x.dtype))  # (B*T,c0,H,W)
             f, skips = self.encoder(x.flatten(0, 1), cond.flatten(0, 1), extra)  # (B*T,c,h,w)
             x = f.unflatten(0, (b, t))  # (B,T,c,h,w)
         x = rearrange(x, "b t c (h p1) (w p2) -> b t (h w) (p1 p2 c)", p1=p, p2=p)  # (B,T,N,p*p*c)
@@ -272,7 +280,8 @@ class Denoiser(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor,
-                memory: MemoryFrames | None = None, state: RolloutState | None = None, return_gate: bool = False):
+                memory: MemoryFrames | None = None, state: RolloutState | None = None, return_gate: bool = False,
+                return_advected: bool = False):
         """Predict v for a window.
 
         Args:
@@ -285,9 +294,12 @@ class Denoiser(nn.Module):
             return_gate: also return model.copy_gate's logit (B,T,1,H,W) or (B,T,1,1,1), offset included, and the
                 network's own clean frame x̂0 (B,T,C,H,W) float32, before the gate (both None without the gate or
                 without a last frame): the loss supervises the gate with them (train.copy_gate_loss).
+            return_advected: also return model.action_advection's advected last frame (B,T,C,H,W) float32 (None
+                without advection or without a last frame): the loss's reconstruction term for the kernels.
 
         Returns:
-            (B,T,C,H,W) v-prediction for the window only (and the gate's logit and x̂0 with `return_gate`).
+            (B,T,C,H,W) v-prediction for the window only, then the gate's logit and x̂0 with `return_gate`, then
+            the advected frames with `return_advected` (a tuple when either is asked for).
         """
         self._check_window(x, levels, actions)
         if memory is not None and state is not None:
@@ -295,7 +307,8 @@ class Denoiser(nn.Module):
         b, t = x.shape[:2]
         cond = self._cond(levels, actions)  # (B,T,D)
         last = state.last_frame if state is not None else self._last_frame(memory)  # (B,C,H,W) or None
-        h, skips = self._embed_frames(x, cond, last)  # (B,T,N,D)
+        advected = self.advection(last, actions) if self.advection is not None and last is not None else None
+        h, skips = self._embed_frames(x, cond, last, advected)  # (B,T,N,D)
         target_poses = state.target_poses if state is not None else memory.target_poses if memory else None
         if self.pose_aware and target_poses is not None:
             if target_poses.shape[:2] != (b, t):
@@ -338,12 +351,16 @@ class Denoiser(nn.Module):
                          cross_kv=cross_kv)
         h = h[:, n_prefix:]  # the window's tokens only (B,T,N,D)
         out = self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C(+1),H,W)
-        v, logit, x0_hat = self._copy_last(out, x, levels, last) if self.copy_gate else (out, None, None)
-        return (v, logit, x0_hat) if return_gate else v  # v (B,T,C,H,W)
+        # with model.action_advection the gate copies each frame's advected last frame (CDNA's compositing mask)
+        source = advected if advected is not None else None if last is None else last[:, None]  # (B,T|1,C,H,W)
+        v, logit, x0_hat = self._copy_last(out, x, levels, source) if self.copy_gate else (out, None, None)
+        outs = (v,) + ((logit, x0_hat) if return_gate else ()) + ((advected,) if return_advected else ())
+        return outs if len(outs) > 1 else v  # v (B,T,C,H,W)
 
     def _copy_last(self, out: torch.Tensor, x: torch.Tensor, levels: torch.Tensor,
                    last: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """model.copy_gate: v whose clean frame is the network's, gated per pixel (or per frame) towards the last frame.
+        """model.copy_gate: v whose clean frame is the network's, gated per pixel (or per frame) towards the last frame
+        (`last` (B,1,C,H,W), or (B,T,C,H,W): the last frame advected along each frame's actions).
 
         The decoder gives v̂ (B,T,C,H,W) and a logit z (B,T,1,H,W) (copy_gate=frame: its mean over the frame);
         with x̂0 = √ᾱ x − √(1−ᾱ) v̂ (Salimans & Ho 2022, App. D) and g = sigmoid(z + COPY_GATE_BIAS), the clean frame
@@ -361,7 +378,7 @@ class Denoiser(nn.Module):
         s, s1 = s[:, :, None, None, None], s1[:, :, None, None, None]  # (B,T,1,1,1)
         x0_hat = s * x.float() - s1 * v_hat32  # (B,T,C,H,W)
         logit = logit.float() + COPY_GATE_BIAS  # (B,T,1,H,W) or (B,T,1,1,1)
-        v = v_hat32 + torch.sigmoid(logit) * (x0_hat - last.float()[:, None]) / s1.clamp_min(1e-6)
+        v = v_hat32 + torch.sigmoid(logit) * (x0_hat - last.float()) / s1.clamp_min(1e-6)
         return torch.where(s1 > 0, v, v_hat32).to(out.dtype), logit, x0_hat  # (B,T,C,H,W), logit, x̂0
 
     # -- cached rollout ----------------------------------------------------------------------------

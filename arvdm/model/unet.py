@@ -11,9 +11,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ConvDecoder", "ConvEncoder", "ResBlock"]
+__all__ = ["ActionAdvection", "ConvDecoder", "ConvEncoder", "ResBlock"]
 
 MAX_NORM_GROUPS = 8  # GroupNorm groups of the small U-Nets here (fewer when they do not divide the channels)
+# Adam moves a parameter by about lr per step whatever its gradient, so a kernel's logits are stored divided by this:
+# a kernel that starts uniform sharpens into a shift within a few hundred steps at the tiny preset's lr.
+ADVECTION_LOGIT_SCALE = 20.0
 
 
 def norm_groups(channels: int) -> int:
@@ -92,3 +95,50 @@ class ConvDecoder(nn.Module):
             if i > 0:
                 h = self.up[i - 1](F.interpolate(h, scale_factor=2.0, mode="nearest"))  # (B*T,c_{i-1},2x,2x)
         return self.out(F.silu(self.norm(h)))  # (B*T,C,H,W)
+
+
+class ActionAdvection(nn.Module):
+    """The last past frame moved along the window's actions by one learned kernel per action (CDNA advection).
+
+    Finn, Goodfellow & Levine 2016 ("Unsupervised learning for physical interaction through video prediction")
+    predict the next frame as the previous one convolved with normalised kernels (their eq. 2: a softmax over the
+    kernel's taps, so pixels are moved, never created); here the kernel is chosen by the frame's action, and window
+    frame j gets the last frame advected by a_0, ..., a_j in turn: frame j lies j + 1 steps after it. A turn in
+    Memory Maze shifts the 32 px image by about 7 px, a move the denoiser's global (AdaLN) action condition cannot
+    express; the advected frame reaches the encoder like the last frame does (`stem`, zero-initialised).
+    Borders are replicated: zeros would paint the revealed strip grey and make a shift worse than a copy.
+
+        adv = advection(last, actions)       # (B,C,H,W), (B,T) -> (B,T,C,H,W)
+        extra = advection.stem(adv.flatten(0, 1))
+
+    Kernels start uniform (every shift equally likely); they are learned from the denoiser's loss and from the
+    objective's reconstruction term |adv - x0|^2 (the CDNA objective), which trains them from the first step.
+    Computed in float32 outside autocast: a bf16 kernel would not sum to 1.
+    """
+
+    def __init__(self, num_actions: int, radius: int, channels: int, out_channels: int):
+        super().__init__()
+        self.radius = radius
+        # one row per action + the "no action" index; stored / ADVECTION_LOGIT_SCALE (see its comment)
+        self.logits = nn.Parameter(torch.zeros(num_actions + 1, (2 * radius + 1) ** 2))
+        self.stem = nn.Conv2d(channels, out_channels, 3, padding=1)
+        nn.init.zeros_(self.stem.weight)  # a fresh model computes what it did without the advected frame
+        nn.init.zeros_(self.stem.bias)
+
+    def kernels(self) -> torch.Tensor:
+        """(A+1, 2r+1, 2r+1) float32 kernels, each summing to 1."""
+        k = 2 * self.radius + 1
+        return torch.softmax(self.logits.float() * ADVECTION_LOGIT_SCALE, dim=-1).view(-1, k, k)
+
+    def forward(self, last: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """last (B,C,H,W), actions (B,T) int64 -> (B,T,C,H,W) float32: frame j advected by actions[:, :j+1]."""
+        b, c, h, w = last.shape
+        r, k = self.radius, 2 * self.radius + 1
+        with torch.autocast(device_type=last.device.type, enabled=False):
+            kern = self.kernels()  # (A+1,k,k)
+            f, out = last.float().reshape(1, b * c, h, w), []
+            for j in range(actions.shape[1]):
+                wj = kern[actions[:, j]][:, None].expand(b, c, k, k).reshape(b * c, 1, k, k)  # per sample and channel
+                f = F.conv2d(F.pad(f, (r, r, r, r), mode="replicate"), wj, groups=b * c)  # (1,B*C,H,W)
+                out.append(f.view(b, c, h, w))
+        return torch.stack(out, dim=1)  # (B,T,C,H,W)

@@ -10,7 +10,8 @@ RNG), so a run that restores the generator's state draws the same numbers again 
 error-accumulation levers draw after those, and only when on: the memory frames' levels and noise
 (`context_noise_max` > 0, noisy context), then the memory-dropout coin (`memory_dropout` > 0, history
 guidance); with both off the draws, and so the run, are what they were before the levers existed.
-`copy_gate_loss` > 0 (model.copy_gate) adds a supervised term for the copy gate and draws nothing.
+`copy_gate_loss` > 0 (model.copy_gate) adds a supervised term for the copy gate, model.action_advection the advected
+last frame's reconstruction term; neither draws.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from memory import MemoryFrames
 
 MIN_LR_RATIO = 0.1  # cosine decay ends at lr / 10 (as in nanoGPT / Chinchilla)
 ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
+ADVECTION_LOSS_WEIGHT = 1.0  # model.action_advection: the advected last frame's |adv - x0|^2 beside the v-MSE
 
 
 def memory_frames(frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
@@ -72,6 +74,10 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     directly the share of the last frame that makes the network's x̂0 best (`copy_target`),
     rather than only through the v-MSE, whose pull on the gate fades as the gate opens. Nothing is added for a
     batch without memory (no last frame, no gate).
+
+    model.action_advection adds ADVECTION_LOSS_WEIGHT · |advected − x0|² per counted frame: the last frame advected
+    along the window's actions (`ActionAdvection`) should be the frame itself (CDNA's reconstruction loss), which
+    trains the kernels directly; nothing for a batch without memory. Draws nothing.
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -83,32 +89,40 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
     mem = _memory(diffusion, video[:, :m], actions[:, :m], poses, ages, generator, context_noise_max,
                   memory_dropout, drop_memory) if m > 0 else None
-    logit = None
+    logit, advected = None, None
+    advect = getattr(unwrap(model), "advection", None) is not None
     with autocast():
-        if copy_gate_loss > 0:
-            v, logit, x0_hat = model(x_t, levels, act, memory=mem, return_gate=True)  # logit (B,w,1,H|1,W|1) | None
-        else:
-            v = model(x_t, levels, act, memory=mem)  # (B, w, C, H, W)
+        outs = model(x_t, levels, act, memory=mem, return_gate=copy_gate_loss > 0, return_advected=advect)
+    if copy_gate_loss > 0:
+        v, logit, x0_hat = outs[:3]  # logit (B,w,1,H|1,W|1) | None
+    else:
+        v = outs[0] if advect else outs  # (B, w, C, H, W)
+    if advect:
+        advected = outs[-1]  # (B, w, C, H, W) | None (no last frame)
     per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
     counted = (levels > 0).to(per_frame.dtype)  # (B, w)
     w_levels = diffusion.loss_weight(levels, weight, gamma).to(per_frame.dtype)  # (B, w)
     per_frame = per_frame * w_levels
     if logit is not None:
-        share = copy_target(x0, video[:, m - 1], x0_hat, per_pixel=logit.shape[-1] > 1)  # (B, w, 1, H|1, W|1)
+        source = video[:, m - 1, None] if advected is None else advected  # what the gate copies (B, 1|w, C, H, W)
+        share = copy_target(x0, source, x0_hat, per_pixel=logit.shape[-1] > 1)  # (B, w, 1, H|1, W|1)
         bce = F.binary_cross_entropy_with_logits(logit.float(), share, reduction="none")
         per_frame = per_frame + copy_gate_loss * bce.mean(dim=(2, 3, 4))  # (B, w)
+    if advected is not None:  # CDNA's objective for the kernels: the advected last frame should be the next frame
+        per_frame = per_frame + ADVECTION_LOSS_WEIGHT * (advected - x0.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
     return (per_frame * counted).sum(), counted.sum()
 
 
 def copy_target(frames: torch.Tensor, last: torch.Tensor, x0_hat: torch.Tensor,
                 per_pixel: bool = False) -> torch.Tensor:
-    """The share g* in [0, 1] of the last past frame (B,C,H,W) that brings the network's x̂0 (B,w,C,H,W) closest to
-    the true frame (B,w,C,H,W): x̂0 + g (last − x̂0) is nearest at g* = <x0 − x̂0, last − x̂0> / |last − x̂0|², clipped
+    """The share g* in [0, 1] of the last past frame (B,1,C,H,W; advected: B,w,C,H,W) that brings the network's x̂0
+    (B,w,C,H,W) closest to the true frame (B,w,C,H,W): x̂0 + g (last − x̂0) is nearest at
+    g* = <x0 − x̂0, last − x̂0> / |last − x̂0|², clipped
     (the v-MSE's own optimum for this sample). A scene that stands still gives 1 at every level; a moving one 0, or
     a part at high noise where x̂0 is a blur. Over the frame, or with `per_pixel` over channels only. Returns
     (B,w,1,1,1) or (B,w,1,H,W); no gradient (x̂0 is detached)."""
     d_true = frames.float() - x0_hat.detach().float()  # (B,w,C,H,W)
-    d_last = last.float()[:, None] - x0_hat.detach().float()  # (B,w,C,H,W)
+    d_last = last.float() - x0_hat.detach().float()  # (B,w,C,H,W)
     dims = (2,) if per_pixel else (2, 3, 4)
     num = (d_true * d_last).sum(dim=dims, keepdim=True)  # (B,w,1,H,W) or (B,w,1,1,1)
     den = d_last.pow(2).sum(dim=dims, keepdim=True)
