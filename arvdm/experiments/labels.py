@@ -14,7 +14,8 @@ between the cells appear. Known keys read as:
 - the error-accumulation levers, only when on: ``+noise<max>`` (train.context_noise_max),
   ``ctx<level>`` (sample.context_level), ``+drop<p>`` (train.memory_dropout), ``hg<W>``
   (sample.history_guidance);
-- switches the main job has on, only when off: ``-lastframe`` (model.last_frame_input false);
+- switches the main job has on, only when off: ``-lastframe`` (model.last_frame_input false), ``-advect``
+  (model.action_advection 0);
 - ``train.seed`` last, as ``s<seed>``; the label without it is the cell's **configuration**, the unit over
   which ``pool_seeds`` averages;
 - any other varying key as ``<last part of the key><value>``, like the cell names.
@@ -41,7 +42,7 @@ MEMORY_PART_KEYS = ("memory.select", "sample.memory_select", "memory.pose_frames
 LEVERS = {"train.context_noise_max": "+noise", "sample.context_level": "ctx", "train.memory_dropout": "+drop",
           "sample.history_guidance": "hg"}
 #: Switches `tiny` has on: shown only when a cell turns them off, as this text.
-OFF_SWITCHES = {"model.last_frame_input": "-lastframe"}
+OFF_SWITCHES = {"model.last_frame_input": "-lastframe", "model.action_advection": "-advect"}
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,10 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     logit, advected = None, None
     advect = getattr(unwrap(model), "advection", None) is not None
     with autocast():
-        outs = model(x_t, levels, act, memory=mem, return_gate=copy_gate_loss > 0, return_advected=advect)
+        extra = {"return_gate": True} if copy_gate_loss > 0 else {}
+        if advect:  # asked only when used: a plain model is called exactly as before
+            extra["return_advected"] = True
+        outs = model(x_t, levels, act, memory=mem, **extra)
     if copy_gate_loss > 0:
         v, logit, x0_hat = outs[:3]  # logit (B,w,1,H|1,W|1) | None
     else:
