@@ -145,9 +145,12 @@ def test_the_loss_adds_the_reconstruction_term_and_trains_the_kernels():
     with torch.no_grad():
         adv = model.advection(video[:, 3], act[:, 4:])  # (B, 2, C, S, S)
         rec = ((adv - video[:, 4:]).pow(2).mean(dim=(2, 3, 4)) * (levels > 0)).sum()
+        off, _ = diffusion_forcing_loss(model, diff, video, act, 4, K, torch.Generator().manual_seed(0),
+                                        advection_loss=0.0)  # what validation computes
         model.advection = None
         bare, _ = diffusion_forcing_loss(model, diff, video, act, 4, K, torch.Generator().manual_seed(0))
     assert torch.allclose(total.detach(), bare + ADVECTION_LOSS_WEIGHT * rec, rtol=1e-5)
+    assert torch.equal(off, bare) and rec > 0
 
 
 @pytest.mark.parametrize("value, extra", [(-1, ()), (S, ()), (2, ("model.last_frame_input=false",))],

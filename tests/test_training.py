@@ -303,6 +303,19 @@ def test_the_data_seed_is_not_the_training_seed(monkeypatch):
     assert asked == [0, 0, 7]
 
 
+def test_validation_leaves_out_the_advection_term_and_training_keeps_it(tmp_path, data, monkeypatch):
+    """model.action_advection: the trainer's loss has the reconstruction term, its validation loss does not (the
+    v-MSE alone, comparable with runs without advection)."""
+    from arvdm.training import trainer as trainer_module
+    calls, original = [], trainer_module.diffusion_forcing_loss
+    monkeypatch.setattr(trainer_module, "diffusion_forcing_loss",
+                        lambda *a, **kw: calls.append(kw.get("advection_loss", "default")) or original(*a, **kw))
+    cfg = tiny_cfg(data, "model.last_frame_input=true", "model.action_advection=2", "train.max_steps=1",
+                   "train.log_every=1", "train.val_every=1", "train.val_batches=1", "train.sample_every=0")
+    Trainer(cfg, tmp_path / "run", device="cpu").fit()
+    assert calls[0] == "default" and calls[1:] and set(calls[1:]) == {0.0}
+
+
 def test_the_trainer_adds_the_copy_gate_term(tmp_path, data):
     """train.copy_gate_loss reaches the loss the trainer optimises: the same first step (same draws) logs a larger
     loss with λ > 0 than with λ = 0 (the BCE is positive)."""

@@ -53,7 +53,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
                            num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
                            ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0,
-                           drop_memory: bool | None = None, copy_gate_loss: float = 0.0):
+                           drop_memory: bool | None = None, copy_gate_loss: float = 0.0,
+                           advection_loss: float = ADVECTION_LOSS_WEIGHT):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -75,9 +76,10 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     rather than only through the v-MSE, whose pull on the gate fades as the gate opens. Nothing is added for a
     batch without memory (no last frame, no gate).
 
-    model.action_advection adds ADVECTION_LOSS_WEIGHT · |advected − x0|² per counted frame: the last frame advected
-    along the window's actions (`ActionAdvection`) should be the frame itself (CDNA's reconstruction loss), which
-    trains the kernels directly; nothing for a batch without memory. Draws nothing.
+    model.action_advection adds `advection_loss` (ADVECTION_LOSS_WEIGHT) · |advected − x0|² per counted frame: the
+    last frame advected along the window's actions (`ActionAdvection`) should be the frame itself (CDNA's
+    reconstruction loss), which trains the kernels directly; nothing for a batch without memory. Draws nothing.
+    Validation passes 0, so its loss stays the v-MSE alone, comparable across runs with and without advection.
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -90,7 +92,7 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     mem = _memory(diffusion, video[:, :m], actions[:, :m], poses, ages, generator, context_noise_max,
                   memory_dropout, drop_memory) if m > 0 else None
     logit, advected = None, None
-    advect = getattr(unwrap(model), "advection", None) is not None
+    advect = advection_loss > 0 and getattr(unwrap(model), "advection", None) is not None
     with autocast():
         extra = {"return_gate": True} if copy_gate_loss > 0 else {}
         if advect:  # asked only when used: a plain model is called exactly as before
@@ -112,7 +114,7 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
         bce = F.binary_cross_entropy_with_logits(logit.float(), share, reduction="none")
         per_frame = per_frame + copy_gate_loss * bce.mean(dim=(2, 3, 4))  # (B, w)
     if advected is not None:  # CDNA's objective for the kernels: the advected last frame should be the next frame
-        per_frame = per_frame + ADVECTION_LOSS_WEIGHT * (advected - x0.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
+        per_frame = per_frame + advection_loss * (advected - x0.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
     return (per_frame * counted).sum(), counted.sum()
 
 

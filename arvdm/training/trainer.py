@@ -330,7 +330,7 @@ class Trainer:
             if tc.rollout_frames:  # the validated model generates the recent memory, from the same fixed noise
                 video, actions, extras = self._rollout_context(unwrap(model), video, actions, extras, g)
             total, cnt = diffusion_forcing_loss(unwrap(model), self.diffusion, video, actions, self.m, self.K, g,
-                                                self.autocast, **extras)
+                                                self.autocast, **extras, advection_loss=0.0)  # the v-MSE alone
             sums += torch.stack([total.double(), cnt.double()])
         if self.dist.enabled:
             dist.all_reduce(sums)
