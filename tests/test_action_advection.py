@@ -8,6 +8,7 @@ reconstruction term that trains the kernels.
 
 import pytest
 import torch
+from test_last_frame_input import assert_fresh_part_changes_nothing
 from test_noisy_context import A, B, K, S, clip, poses, tiny_cfg
 from test_noisy_context import make as make_random
 
@@ -76,23 +77,9 @@ def test_kernels_start_uniform_sum_to_one_and_keep_a_flat_frame_flat():
 
 
 def test_fresh_model_equals_the_same_weights_without_it():
-    with_it = Denoiser(tiny_cfg(*ON))
-    without = Denoiser(tiny_cfg("model.last_frame_input=true"))
-    weights = {k: v for k, v in with_it.state_dict().items() if not k.startswith("advection.")}
-    without.load_state_dict(weights)
-    assert {k for k in with_it.state_dict() if k.startswith("advection.")} == {
-        "advection.logits", "advection.stem.weight", "advection.stem.bias"}
-    with torch.no_grad():  # a non-trivial rest of the network (the output conv starts at zero)
-        for m in (with_it, without):
-            for name, p in m.named_parameters():
-                if not name.startswith("advection."):
-                    p.copy_(torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p) * 0.2)
-    (mem, mem_a), (x, a) = clip(4, seed=1), clip(2, seed=2)
-    levels = torch.full((B, 2), 40)
-    with torch.no_grad():
-        out = with_it(x, levels, a, memory=MemoryFrames(mem, mem_a))
-        ref = without(x, levels, a, memory=MemoryFrames(mem, mem_a))
-    assert out.abs().max() > 1e-3 and torch.equal(out, ref)
+    keys = {"advection.logits", "advection.stem.weight", "advection.stem.bias"}
+    assert_fresh_part_changes_nothing(Denoiser(tiny_cfg(*ON)), Denoiser(tiny_cfg("model.last_frame_input=true")),
+                                      "advection.", keys)
 
 
 def test_the_window_actions_change_the_output_through_it_and_no_memory_means_none():

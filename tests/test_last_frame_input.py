@@ -35,16 +35,15 @@ def make(*overrides, seed=0, zero_stem=False):
     return model
 
 
-def test_fresh_model_equals_the_same_weights_without_it():
-    with_it = Denoiser(cfg_of())
-    without = Denoiser(cfg_of("model.last_frame_input=false"))
-    weights = {k: v for k, v in with_it.state_dict().items() if not k.startswith("last_frame_stem")}
-    without.load_state_dict(weights)
-    assert set(with_it.state_dict()) - set(without.state_dict()) == {"last_frame_stem.weight", "last_frame_stem.bias"}
-    with torch.no_grad():  # make the rest of the network non-trivial (the output conv starts at zero)
+def assert_fresh_part_changes_nothing(with_it: Denoiser, without: Denoiser, prefix: str, keys: set[str]) -> None:
+    """`with_it` is `without` plus fresh (zero-initialised) parameters named `keys`, all under `prefix`: given the
+    same other weights (made non-trivial: the output conv starts at zero), the two compute the same v."""
+    without.load_state_dict({k: v for k, v in with_it.state_dict().items() if not k.startswith(prefix)})
+    assert set(with_it.state_dict()) - set(without.state_dict()) == keys
+    with torch.no_grad():
         for m in (with_it, without):
             for name, p in m.named_parameters():
-                if not name.startswith("last_frame_stem"):
+                if not name.startswith(prefix):
                     p.copy_(torch.sin(torch.arange(p.numel(), dtype=p.dtype)).view_as(p) * 0.2)
     (mem, mem_a), (x, a) = clip(4, seed=1), clip(2, seed=2)
     levels = torch.full((B, 2), 40)
@@ -52,6 +51,11 @@ def test_fresh_model_equals_the_same_weights_without_it():
         out = with_it(x, levels, a, memory=MemoryFrames(mem, mem_a))
         ref = without(x, levels, a, memory=MemoryFrames(mem, mem_a))
     assert out.abs().max() > 1e-3 and torch.equal(out, ref)
+
+
+def test_fresh_model_equals_the_same_weights_without_it():
+    assert_fresh_part_changes_nothing(Denoiser(cfg_of()), Denoiser(cfg_of("model.last_frame_input=false")),
+                                      "last_frame_stem", {"last_frame_stem.weight", "last_frame_stem.bias"})
 
 
 def test_it_reads_the_last_memory_frame_and_nothing_without_memory():
