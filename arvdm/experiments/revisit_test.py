@@ -57,7 +57,7 @@ def _episodes(root: Path, n: int, size: int) -> list[dict[str, Any]]:
         ep = load_episode(path)
         if ep.pose is None:
             raise SamplingError(f"{path}: has no poses")
-        video = to_float_video(torch.from_numpy(np.asarray(ep.video)).permute(0, 3, 1, 2))  # (T, C, H, W)
+        video = to_float_video(torch.from_numpy(np.array(ep.video)).permute(0, 3, 1, 2))  # (T, C, H, W)
         if video.shape[-1] != size:
             raise SamplingError(f"{path}: frames are {video.shape[-1]} px, the run was trained at {size} px")
         out.append({"video": video, "actions": torch.as_tensor(np.asarray(ep.actions)).long(),
