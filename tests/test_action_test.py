@@ -38,6 +38,18 @@ def test_the_summary_matches_hand_computed_psnrs():
         assert not s["actions_move_less_than_noise"]
 
 
+def test_the_direction_check_reports_own_minus_swapped_by_hand():
+    v = _videos()
+    assert "own_minus_swapped" not in at.summarise(v, n_boot=200)["spans"][0]  # only with a swapped rollout
+    v["swapped"] = v["real"] + 0.4
+    for s in at.summarise(v, n_boot=200)["spans"]:
+        assert s["swapped"] == pytest.approx(_psnr(0.4), abs=1e-3)
+        assert s["own_minus_swapped"]["mean"] == pytest.approx(_psnr(0.1) - _psnr(0.4), abs=1e-3)
+    line = at.describe({"episodes": 5, "generated_frames": 20, "context": 4, "swap": "2:3",
+                        **at.summarise(v, n_boot=200)})
+    assert f"swapped (2:3) {_psnr(0.4):.2f}: the true direction buys {_psnr(0.1) - _psnr(0.4):+.2f}" in line
+
+
 def test_actions_that_move_the_rollout_less_than_the_noise_are_flagged():
     res = at.summarise(_videos(own=0.1, other=0.12, noise=0.3), n_boot=200)
     s = res["spans"][0]
@@ -88,6 +100,26 @@ def test_other_actions_change_the_rollout():
     assert not torch.equal(actions, actions.roll(1, 0))
     out = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False)
     assert not torch.allclose(out["own"], out["other"])
+
+
+def test_the_swapped_rollout_exchanges_only_the_named_actions_after_the_context():
+    model, cfg = _model()
+    real, actions = _episodes()
+    unused = next(a for a in range(6) if not (actions[:, 4:] == a).any())
+    absent = {unused: 6, 6: unused}  # exchanges an action that never occurs: the own rollout, bit for bit
+    out = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False, swap=absent)
+    assert torch.equal(out["own"], out["swapped"])
+    a, b = int(actions[0, 4]), int(actions[0, 5])
+    b = b if b != a else (a + 1) % 6
+    out = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False, swap={a: b, b: a})
+    assert not torch.allclose(out["own"][0], out["swapped"][0])  # episode 0's first generated action swapped
+
+
+def test_swap_pairs_are_parsed_and_bad_ones_refused():
+    assert at.parse_swap("2:3,4:5", 6) == {2: 3, 3: 2, 4: 5, 5: 4}
+    for bad in ("2-3", "2:3,3:4", "2:2", "2:6", "x:1", "2:3:4"):
+        with pytest.raises(SamplingError, match="--swap"):
+            at.parse_swap(bad, 6)
 
 
 @pytest.mark.parametrize("n, context", [(1, 4), (3, 0), (3, 8)])

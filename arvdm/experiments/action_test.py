@@ -11,6 +11,12 @@ From the same true context, every episode is rolled out three times (chunked sch
 A pose-aware run keeps choosing memory by the episode's own poses in all three, so ``other`` changes the actions
 only, with the memory choice held: the test isolates what the actions do.
 
+The **direction check** (``--swap 2:3,4:5``, Memory Maze's left and right turns) adds a fourth rollout,
+``swapped``: the episode's own actions with each named pair exchanged after the context, noise seed s. Own −
+swapped is what knowing the direction buys: a model that only knows *that* the agent turns, not which way, scores
+the same on both. (The poses are the episode's own in every rollout: a pose-aware run's pose tags still say the
+true motion, so a model that read motion from them would pass this check without using its actions.)
+
 Per span of generated frames (first 4, 5-16, 17-64, 65-120, as far as the rollout reaches), PSNR against the
 truth of ``own`` and ``other`` with their paired difference (what the true actions buy; 95% episode-bootstrap
 interval), and two agreements between rollouts: ``own`` vs ``noise`` (how far the noise alone moves a rollout) and
@@ -44,10 +50,25 @@ from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.schedules.presets import get_schedule
 from data.atomic import atomic_write_text
 
-__all__ = ["action_test", "run_action_test", "summarise"]
+__all__ = ["action_test", "parse_swap", "run_action_test", "summarise"]
 
 ROLLOUTS = ("own", "noise", "other")
 SPANS = ((0, 4), (4, 16), (16, 64), (64, 120))  # generated frames [a, b): first 4, 5-16, 17-64, 65-120
+
+
+def parse_swap(text: str, num_actions: int) -> dict[int, int]:
+    """``"2:3,4:5"`` -> {2: 3, 3: 2, 4: 5, 5: 4}: pairs of action ids exchanged by the direction check."""
+    swap: dict[int, int] = {}
+    for part in text.split(","):
+        try:
+            a, b = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise SamplingError(f"--swap {text!r}: expected pairs of action ids like 2:3,4:5, got {part!r}") from None
+        if not (0 <= a < num_actions and 0 <= b < num_actions) or a == b or a in swap or b in swap:
+            raise SamplingError(f"--swap {text!r}: {part!r} must pair two different action ids in 0..{num_actions - 1}"
+                                f", each named once")
+        swap[a], swap[b] = b, a
+    return swap
 
 
 def _psnr(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
@@ -57,9 +78,10 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
 
 def run_action_test(model: Any, cfg: Any, real: torch.Tensor, actions: torch.Tensor, context: int,
                     poses: torch.Tensor | None = None, steps: int = 20, seed: int = 0, batch_size: int = 8,
-                    progress: bool = True) -> dict[str, torch.Tensor]:
+                    progress: bool = True, swap: dict[int, int] | None = None) -> dict[str, torch.Tensor]:
     """The three rollouts of every episode of ``real`` (N, T, C, H, W) with ``actions`` (N, T) after its first
-    ``context`` frames: {"own", "noise", "other"} -> (N, T - context, C, H, W), plus "real" (the truth's part)."""
+    ``context`` frames: {"own", "noise", "other"} -> (N, T - context, C, H, W), plus "real" (the truth's part);
+    with ``swap`` (``parse_swap``) a fourth, "swapped": own actions with the pairs exchanged, own noise."""
     n, t = actions.shape
     if n < 2:
         raise SamplingError(f"the action test needs at least 2 episodes (one lends its actions to another), got {n}")
@@ -70,11 +92,17 @@ def run_action_test(model: Any, cfg: Any, real: torch.Tensor, actions: torch.Ten
                             context_level=cfg.diffusion.context_level)
     other = actions.roll(1, dims=0)  # episode i gets episode i-1's actions after the context
     other[:, :context] = actions[:, :context]
+    kinds = [("own", actions, seed), ("noise", actions, seed + 1), ("other", other, seed)]
+    if swap:
+        swapped = actions.clone()
+        for a, b in swap.items():
+            swapped[:, context:][actions[:, context:] == a] = b
+        kinds.append(("swapped", swapped, seed))
     n_gen = t - context
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in ROLLOUTS}
+    out: dict[str, list[torch.Tensor]] = {k: [] for k, _, _ in kinds}
     for i in tqdm(range(0, n, batch_size), desc="action test", unit="batch", disable=not progress):
         r, p = real[i:i + batch_size], None if poses is None else poses[i:i + batch_size]
-        for kind, acts, s in (("own", actions, seed), ("noise", actions, seed + 1), ("other", other, seed)):
+        for kind, acts, s in kinds:
             a = acts[i:i + batch_size]
             gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
                           generator=torch.Generator().manual_seed(s * 100_003 + i), progress=False,
@@ -86,11 +114,14 @@ def run_action_test(model: Any, cfg: Any, real: torch.Tensor, actions: torch.Ten
 
 def summarise(videos: dict[str, torch.Tensor], n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
     """Per span: PSNR vs truth (own, other, copy-last), own − other with a 95% episode-bootstrap interval, the
-    agreements own–noise and own–other, and the self-agreement gap. Spans past the rollout are left out."""
+    agreements own–noise and own–other, and the self-agreement gap; with a "swapped" rollout also its PSNR and
+    own − swapped. Spans past the rollout are left out."""
     real, own = videos["real"], videos["own"]
     curves = {"own": _psnr(own, real), "other": _psnr(videos["other"], real),
               "copy_last": _psnr(videos["last"].expand_as(real), real),
               "agree_noise": _psnr(own, videos["noise"]), "agree_actions": _psnr(own, videos["other"])}
+    if "swapped" in videos:
+        curves["swapped"] = _psnr(videos["swapped"], real)
     n, t = curves["own"].shape
     episodes = np.arange(n)
     spans = []
@@ -103,19 +134,25 @@ def summarise(videos: dict[str, torch.Tensor], n_boot: int = 2000, seed: int = 0
                       "own_minus_other": {k: diff[k] for k in ("mean", "lo", "hi")},
                       "self_agreement_gap": float((m["agree_noise"] - m["own"]).mean()),
                       "actions_move_less_than_noise": bool(m["agree_actions"].mean() > m["agree_noise"].mean())})
+        if "swapped" in m:
+            d = paired_difference(m["own"], m["swapped"], episodes, n_boot=n_boot, seed=seed)
+            spans[-1]["own_minus_swapped"] = {k: d[k] for k in ("mean", "lo", "hi")}
     return {"episodes": n, "generated_frames": t, "spans": spans}
 
 
 def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frames: int = 64, steps: int = 20,
-                seed: int = 0, split: str = "training", device: str = "cpu", progress: bool = True) -> dict[str, Any]:
-    """Load ``run`` and ``episodes`` episodes of ``data``, roll them out three ways, summarise."""
+                seed: int = 0, split: str = "training", device: str = "cpu", progress: bool = True,
+                swap: str | None = None) -> dict[str, Any]:
+    """Load ``run`` and ``episodes`` episodes of ``data``, roll them out three ways (four with ``swap``, e.g.
+    "2:3,4:5"), summarise."""
     model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
+    pairs = parse_swap(swap, cfg.model.num_actions) if swap else None
     real, actions, poses = load_validation_episodes(data, cfg, episodes, context, frames, split=split)
     if cfg.memory.select == "pose" and poses is None:
         raise SamplingError(f"{data}: the run chooses memory by pose, but the episodes have no 'pose' array")
     videos = run_action_test(model, cfg, real.to(device), actions.to(device), context,
-                             None if poses is None else poses.to(device), steps, seed, progress=progress)
-    return {"run": str(run), "data": str(data), "split": split, "context": context, "seed": seed,
+                             None if poses is None else poses.to(device), steps, seed, progress=progress, swap=pairs)
+    return {"run": str(run), "data": str(data), "split": split, "context": context, "seed": seed, "swap": swap,
             **summarise(videos, seed=seed)}
 
 
@@ -130,6 +167,10 @@ def describe(result: dict[str, Any]) -> str:
                      f"{s['copy_last']:.2f}; agreement noise {s['agree_noise']:.2f} / actions {s['agree_actions']:.2f}"
                      f"{' (actions move the rollout LESS than the noise)' if s['actions_move_less_than_noise'] else ''}"
                      f"; self-agreement gap {s['self_agreement_gap']:+.2f}")
+        if "own_minus_swapped" in s:
+            d = s["own_minus_swapped"]
+            lines.append(f"{'':>21}swapped ({result['swap']}) {s['swapped']:.2f}: the true direction buys "
+                         f"{d['mean']:+.2f} [95% {d['lo']:+.2f}, {d['hi']:+.2f}]")
     return "\n".join(lines)
 
 
@@ -144,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--swap", default=None, metavar="A:B,...",
+                   help="direction check: a fourth rollout with these action pairs exchanged (Memory Maze: 2:3,4:5)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     for flag in ("episodes", "frames", "steps"):
@@ -152,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         result = action_test(args.run, args.data, args.episodes, args.context, args.frames, args.steps, args.seed,
-                             args.split, args.device)
+                             args.split, args.device, swap=args.swap)
     except USER_ERRORS as err:
         print(f"action_test: error: {err}", file=sys.stderr)
         return 2
