@@ -64,6 +64,15 @@ def test_the_bootstrap_interval_brackets_a_varying_difference():
     assert d["lo"] < d["mean"] < d["hi"]
 
 
+def test_per_episode_span_means_are_kept_for_pairing_runs():
+    v = _videos(n=4)
+    v["own"] = v["own"] * torch.tensor([0.5, 1.0, 2.0, 4.0])[:, None, None, None, None]
+    s = at.summarise(v, n_boot=100)["spans"][0]
+    assert set(s["per_episode"]) == {"own", "other", "copy_last"}
+    assert s["per_episode"]["own"] == pytest.approx([_psnr(0.1 * f) for f in (0.5, 1.0, 2.0, 4.0)], abs=1e-3)
+    assert sum(s["per_episode"]["own"]) / 4 == pytest.approx(s["own"])
+
+
 def _model():
     cfg = apply_overrides(get_preset("tiny"), [
         "model.unet_channels=[8,16]", "model.dim=32", "model.depth=1", "model.image_size=16", "data.resize=16",

@@ -115,7 +115,8 @@ def run_action_test(model: Any, cfg: Any, real: torch.Tensor, actions: torch.Ten
 def summarise(videos: dict[str, torch.Tensor], n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
     """Per span: PSNR vs truth (own, other, copy-last), own − other with a 95% episode-bootstrap interval, the
     agreements own–noise and own–other, and the self-agreement gap; with a "swapped" rollout also its PSNR and
-    own − swapped. Spans past the rollout are left out."""
+    own − swapped; each span's per-episode means under "per_episode" (own, other, copy-last, swapped), for pairing
+    two runs on the same episodes. Spans past the rollout are left out."""
     real, own = videos["real"], videos["own"]
     curves = {"own": _psnr(own, real), "other": _psnr(videos["other"], real),
               "copy_last": _psnr(videos["last"].expand_as(real), real),
@@ -137,6 +138,9 @@ def summarise(videos: dict[str, torch.Tensor], n_boot: int = 2000, seed: int = 0
         if "swapped" in m:
             d = paired_difference(m["own"], m["swapped"], episodes, n_boot=n_boot, seed=seed)
             spans[-1]["own_minus_swapped"] = {k: d[k] for k in ("mean", "lo", "hi")}
+        # per-episode span means, so two runs' results on the same episodes can be paired later
+        spans[-1]["per_episode"] = {k: [float(x) for x in v] for k, v in m.items()
+                                    if k in ("own", "other", "swapped", "copy_last")}
     return {"episodes": n, "generated_frames": t, "spans": spans}
 
 
