@@ -52,7 +52,6 @@ from data.atomic import atomic_write_text
 
 __all__ = ["action_test", "parse_swap", "run_action_test", "summarise"]
 
-ROLLOUTS = ("own", "noise", "other")
 SPANS = ((0, 4), (4, 16), (16, 64), (64, 120))  # generated frames [a, b): first 4, 5-16, 17-64, 65-120
 
 
