@@ -39,7 +39,7 @@ MEMORY_STRUCTURES = ("prepend", "channel_concat", "cross_attention")  # how the 
 PREPEND, CHANNEL_CONCAT, CROSS_ATTENTION = MEMORY_STRUCTURES
 TEMPORAL_ATTENTION_FORMS = ("factorized", "full")  # per spatial position | all tokens of all frames
 FACTORIZED, FULL = TEMPORAL_ATTENTION_FORMS
-COPY_GATES = ("off", "pixel", "frame")  # model.copy_gate: none, one gate per pixel, one per frame
+COPY_GATES = ("off", "pixel", "frame", "observed")  # none, per pixel, per frame, per pixel on real last frames
 FROZEN_DRAFT = "frozen"  # speculation's default draft: the target with frozen v (arvdm.speculative.rows)
 
 
@@ -137,7 +137,7 @@ class ModelConfig:
                self.temporal_attention, "must be 'factorized' or 'full'")
         _check(isinstance(self.last_frame_input, bool), "model.last_frame_input", self.last_frame_input, "must be bool")
         _check(self.copy_gate in COPY_GATES and (self.copy_gate == "off" or self.last_frame_input), "model.copy_gate",
-               self.copy_gate, f"must be one of {COPY_GATES}; pixel and frame need model.last_frame_input=true")
+               self.copy_gate, f"must be one of {COPY_GATES}; all but off need model.last_frame_input=true")
         _check(type(self.action_advection) is int and 0 <= self.action_advection < self.image_size and not (
             self.action_advection and not self.last_frame_input), "model.action_advection", self.action_advection,
             f"must be an int in 0..{self.image_size - 1} (0 = off); > 0 needs model.last_frame_input=true")

@@ -37,6 +37,8 @@ class MemoryFrames:
             Forcing); the model conditions each frame on its level. None = every frame clean (level 0).
         last: optional (B, C, H, W) the most recent past frame, clean (before noisy context noised it); a model
             with model.copy_gate reads it as its last frame. None = `frames[:, -1]`.
+        last_observed: whether the last frame is a real (observed) frame rather than a generated one: (B,) bool or
+            one bool; model.copy_gate=observed gates only real ones. None = real (frames a caller gives by hand).
     """
 
     frames: torch.Tensor
@@ -48,6 +50,7 @@ class MemoryFrames:
     target_poses: torch.Tensor | None = None
     levels: torch.Tensor | None = None
     last: torch.Tensor | None = None
+    last_observed: torch.Tensor | bool | None = None
 
     def __len__(self) -> int:
         return self.frames.shape[1]
@@ -89,17 +92,19 @@ class MemoryBank:
         self.levels: torch.Tensor | None = None  # (B, F) int64 noise level of each kept frame (0 = clean)
         self.positions: list[int] = []  # absolute index of each kept frame
         self.last: torch.Tensor | None = None  # (B, C, H, W) the newest committed frame, clean
+        self.last_observed = False  # whether that frame was observed (the context), not generated
         self._positions_tensor: torch.Tensor | None = None  # `positions` on the frames' device, built once
 
     def __len__(self) -> int:
         return len(self.positions)
 
     def append(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
-               levels: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> None:
+               levels: torch.Tensor | None = None, clean: torch.Tensor | None = None, observed: bool = False) -> None:
         """Commit frames (B, n, C, H, W) with actions (B, n) [and poses (B, n, P)], then evict.
 
         `levels` (B, n) int64: the frames' noise levels (noisy context); None = clean (level 0). `clean`: the same
-        frames before they were noised (None = `frames`); the newest is kept as `MemoryFrames.last`.
+        frames before they were noised (None = `frames`); the newest is kept as `MemoryFrames.last`. `observed`:
+        the frames are real (a rollout's context), not generated (`MemoryFrames.last_observed`).
         """
         if frames.dim() != 5:
             raise ValueError(f"MemoryBank.append: frames must be (B, n, C, H, W), got {tuple(frames.shape)}")
@@ -121,6 +126,7 @@ class MemoryBank:
                 raise ValueError("MemoryBank.append: give poses for every commit or for none")
         frames, actions = frames.detach(), actions.detach()
         self.last = (frames if clean is None else clean.detach())[:, -1]  # (B, C, H, W)
+        self.last_observed = bool(observed)
         if self.frames is None or len(self.positions) == 0:
             self.frames, self.actions, self.levels = frames, actions, levels
             self.poses = poses.detach() if poses is not None else None
@@ -160,7 +166,7 @@ class MemoryBank:
             self._positions_tensor = torch.tensor(self.positions, dtype=torch.long, device=self.frames.device)
         return MemoryFrames(self.frames, self.actions, positions=self._positions_tensor, poses=self.poses,
                             next_index=self.positions[-1] + 1, target_poses=target_poses, levels=self.levels,
-                            last=self.last)
+                            last=self.last, last_observed=self.last_observed)
 
     def nbytes(self) -> int:
         """Bytes held by the kept frames, actions, levels and poses."""

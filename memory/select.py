@@ -138,14 +138,16 @@ class PoseBank:
         self.index: torch.Tensor | None = None  # (B, F) absolute frame index, ascending per sample
         self.levels: torch.Tensor | None = None  # (B, F) int64 noise level of each kept frame (0 = clean)
         self.last: torch.Tensor | None = None  # (B, C, H, W) the newest committed frame, clean
+        self.last_observed = False  # whether that frame was observed (the context), not generated
 
     def __len__(self) -> int:
         return 0 if self.index is None else self.index.shape[1]
 
     def append(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
-               levels: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> None:
+               levels: torch.Tensor | None = None, clean: torch.Tensor | None = None, observed: bool = False) -> None:
         """Commit frames (B, n, C, H, W) with actions (B, n) and poses (B, n, 3) [and noise levels (B, n), None =
-        clean; `clean`: the frames before noising, the newest kept as `MemoryFrames.last`]; drop redundant old ones."""
+        clean; `clean`: the frames before noising, the newest kept as `MemoryFrames.last`; `observed`: real frames,
+        not generated, `MemoryFrames.last_observed`]; drop redundant old ones."""
         if poses is None:
             raise SelectionError("pose-aware memory needs the poses of committed frames (episodes with a 'pose' "
                                  "array, passed to rollout(poses=...))")
@@ -158,6 +160,7 @@ class PoseBank:
         levels = torch.zeros_like(actions) if levels is None else levels.detach().to(actions.device, torch.long)
         parts = [frames.detach(), actions.detach(), poses.detach().float(), idx, levels.expand(b, n)]
         self.last = (frames if clean is None else clean).detach()[:, -1]  # (B, C, H, W): recent frames are own
+        self.last_observed = bool(observed)
         if self.frames is None:
             self.frames, self.actions, self.poses, self.index, self.levels = parts
         else:
@@ -219,7 +222,7 @@ class PoseBank:
         start = self.n_committed
         return MemoryFrames(parts[0], parts[1], positions=torch.arange(start - m, start, device=chosen.device),
                             poses=parts[2], next_index=start, ages=start - parts[3], target_poses=target_poses,
-                            levels=parts[4], last=self.last)
+                            levels=parts[4], last=self.last, last_observed=self.last_observed)
 
     def nbytes(self) -> int:
         """Bytes held by the kept frames, actions, poses, indices and levels."""

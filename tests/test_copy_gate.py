@@ -13,7 +13,8 @@ from test_noisy_context import B, K, S, clip, poses, tiny_cfg
 from test_noisy_context import make as make_random
 
 from arvdm.config import ConfigError
-from arvdm.model.denoiser import COPY_GATE_BIAS, Denoiser
+from arvdm.model.copy_gate import COPY_GATE_BIAS
+from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.schedules.presets import fifo

@@ -173,15 +173,16 @@ class HybridModel(torch.nn.Module):
         self.last_state = state
         return state
 
-    def commit(self, state, frames, actions, poses=None, target_poses=None, levels=None, clean=None) -> None:
+    def commit(self, state, frames, actions, poses=None, target_poses=None, levels=None, clean=None,
+               observed=False) -> None:
         self._activate()
         if id(state) not in self._pending:
-            self.model.commit(state, frames, actions, poses, target_poses, levels, clean)
+            self.model.commit(state, frames, actions, poses, target_poses, levels, clean, observed)
             return
         self._pending.discard(id(state))
         h = self.hybrid
         with measuring(self.layers, sink=h.sink, recent=h.recent, last_frames=h.last_frames) as meters:
-            self.model.commit(state, frames, actions, poses, target_poses, levels, clean)
+            self.model.commit(state, frames, actions, poses, target_poses, levels, clean, observed)
         if state.n_committed > h.sink + h.recent:
             ratios = [m.ratio for m in meters]
             chosen, source = select_layers(ratios, h.fraction), "online"

@@ -30,7 +30,8 @@ Architecture (v-prediction; every frame has its own noise level):
     final AdaLN + linear --unpatchify--> ConvDecoder (skips from the encoder, ResBlocks, upsampling,
     zero-init output conv, so training starts from v = 0) --> v (B,T,C,H,W)
     (model.copy_gate: one more output channel, a gate (per pixel, or its mean per frame) whose clean frame is the
-     last past frame's; the v returned gives x0 = x̂0 + g (last − x̂0), see `Denoiser._copy_last`)
+     last past frame's; the v returned gives x0 = x̂0 + g (last − x̂0), see `copy_gate.copy_last`; copy_gate=observed
+     gates only while the last frame is a real one, and tells the network which of the two it is)
 
 The transformer blocks run where a frame is a few dozen tokens (8x8 for the tiny preset), as in Diffusion
 Forcing's 3-D U-Net; that is where the chunked temporal attention, the memory and the KV caches live. The
@@ -59,7 +60,7 @@ from einops import rearrange
 
 from arvdm.checks import value_checks_enabled
 from arvdm.config import CHANNEL_CONCAT, CROSS_ATTENTION, FACTORIZED, PREPEND, Config
-from arvdm.model import checkpoint, memory_path
+from arvdm.model import checkpoint, copy_gate, memory_path
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.model.layers import Block, FinalLayer, LevelEmbedding, PoseTags, Rotary
 from arvdm.model.memory_path import DenoiserError
@@ -70,7 +71,6 @@ from memory import KVCache, MemoryFrames, RetentionPolicy, build_compressor, mak
 __all__ = ["Denoiser", "DenoiserError"]
 
 POS_EMBED_INIT_STD = 0.02  # learned 2-D position embedding, initialised small (as in ViT / DiT)
-COPY_GATE_BIAS = -4.0  # model.copy_gate: the gate's logit offset, so a fresh model copies sigmoid(-4) = 1.8%
 
 
 # ------------------------------------------------------------------------------------------------
@@ -110,6 +110,9 @@ class Denoiser(nn.Module):
         self.encoder = ConvEncoder(mc.channels, unet, d) if unet else None
         # model.copy_gate: one more output channel, the logit of a gate (per pixel / frame) that copies the last frame
         self.copy_gate, self.gate_per_frame = mc.copy_gate != "off", mc.copy_gate == "frame"
+        # copy_gate=observed: the gate only while the last frame is observed; a learned vector added to every window
+        # frame's conditioning says it is on, so the ungated network is one trained for generated last frames
+        self.gate_on_embed = nn.Parameter(torch.zeros(d)) if mc.copy_gate == "observed" else None
         self.decoder = ConvDecoder(mc.channels + int(self.copy_gate), unet, d) if unet else None
         if self.copy_gate:  # √ᾱ and √(1−ᾱ) per level (K+1,), from the run's noise schedule; not saved
             alphas_bar = PerFrameDiffusion(cfg.diffusion).alphas_bar
@@ -307,6 +310,7 @@ class Denoiser(nn.Module):
         b, t = x.shape[:2]
         cond = self._cond(levels, actions)  # (B,T,D)
         last = state.last_frame if state is not None else self._last_frame(memory)  # (B,C,H,W) or None
+        cond, gate_on = copy_gate.gate_on(self, cond, state, memory, last)  # (B,T,D); (B,) with copy_gate=observed
         advected = self.advection(last, actions) if self.advection is not None and last is not None else None
         h, skips = self._embed_frames(x, cond, last, advected)  # (B,T,N,D)
         target_poses = state.target_poses if state is not None else memory.target_poses if memory else None
@@ -353,33 +357,10 @@ class Denoiser(nn.Module):
         out = self._unpatchify(self.final(h, win_cond), skips, win_cond)  # (B,T,C(+1),H,W)
         # with model.action_advection the gate copies each frame's advected last frame (CDNA's compositing mask)
         source = advected if advected is not None else None if last is None else last[:, None]  # (B,T|1,C,H,W)
-        v, logit, x0_hat = self._copy_last(out, x, levels, source) if self.copy_gate else (out, None, None)
+        v, logit, x0_hat = (copy_gate.copy_last(self, out, x, levels, source, gate_on) if self.copy_gate
+                            else (out, None, None))
         outs = (v,) + ((logit, x0_hat) if return_gate else ()) + ((advected,) if return_advected else ())
         return outs if len(outs) > 1 else v  # v (B,T,C,H,W)
-
-    def _copy_last(self, out: torch.Tensor, x: torch.Tensor, levels: torch.Tensor,
-                   last: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """model.copy_gate: v whose clean frame is the network's, gated per pixel (or per frame) towards the last frame
-        (`last` (B,1,C,H,W), or (B,T,C,H,W): the last frame advected along each frame's actions).
-
-        The decoder gives v̂ (B,T,C,H,W) and a logit z (B,T,1,H,W) (copy_gate=frame: its mean over the frame);
-        with x̂0 = √ᾱ x − √(1−ᾱ) v̂ (Salimans & Ho 2022, App. D) and g = sigmoid(z + COPY_GATE_BIAS), the clean frame
-        is x0 = x̂0 + g (last − x̂0) and the v returned is the one that gives it, v = v̂ + g (x̂0 − last) / √(1−ᾱ): a
-        scene that stands still is a gate of 1, not a level-dependent mix of x and last to compute. Frames at level 0
-        (which never move) and calls without a last frame (no memory) get v̂. Float32 (the division is large at low
-        levels). Returns v, the gate's logit z + COPY_GATE_BIAS and x̂0 (None, None without a last frame)."""
-        v_hat, logit = out[:, :, :-1], out[:, :, -1:]  # (B,T,C,H,W), (B,T,1,H,W)
-        if last is None:
-            return v_hat, None, None
-        if self.gate_per_frame:  # one gate per frame: "the scene stands still", not "this pixel does"
-            logit = logit.mean(dim=(-2, -1), keepdim=True)  # (B,T,1,1,1)
-        v_hat32 = v_hat.float()
-        s, s1 = self.sqrt_ab[levels], self.sqrt_1m_ab[levels]  # (B,T) each
-        s, s1 = s[:, :, None, None, None], s1[:, :, None, None, None]  # (B,T,1,1,1)
-        x0_hat = s * x.float() - s1 * v_hat32  # (B,T,C,H,W)
-        logit = logit.float() + COPY_GATE_BIAS  # (B,T,1,H,W) or (B,T,1,1,1)
-        v = v_hat32 + torch.sigmoid(logit) * (x0_hat - last.float()) / s1.clamp_min(1e-6)
-        return torch.where(s1 > 0, v, v_hat32).to(out.dtype), logit, x0_hat  # (B,T,C,H,W), logit, x̂0
 
     # -- cached rollout ----------------------------------------------------------------------------
     def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None,
@@ -410,7 +391,7 @@ class Denoiser(nn.Module):
     @torch.no_grad()
     def commit(self, state: RolloutState, frames: torch.Tensor, actions: torch.Tensor,
                poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None,
-               levels: torch.Tensor | None = None, clean: torch.Tensor | None = None) -> None:
+               levels: torch.Tensor | None = None, clean: torch.Tensor | None = None, observed: bool = False) -> None:
         """Write frames that left the window into the rollout state.
 
         Args:
@@ -421,6 +402,7 @@ class Denoiser(nn.Module):
             target_poses: (B,w,3) poses of the next window's frames (pose-aware models choose its memory by them).
             levels: (B,n) int64 the frames' noise levels in 0..K-1 (noisy context); None = clean (level 0).
             clean: (B,n,C,H,W) the frames before they were noised (model.copy_gate's last frame); None = `frames`.
+            observed: the frames are real ones (a rollout's context), not generated (model.copy_gate=observed).
 
         The frames go to the bank (retention applied). For prepend with raw frames they also run through
         the network at their level, attending to what the cache holds now, and their K/V are appended to
@@ -446,7 +428,7 @@ class Denoiser(nn.Module):
                                prefix_chunk=self.frames_per_chunk)
             for cache, (k, v) in zip(state.caches, kvs):
                 cache.append(k, v, range(start, start + n))
-        state.bank.append(frames, actions, poses, levels, clean)
+        state.bank.append(frames, actions, poses, levels, clean, observed)
         state.target_poses = target_poses
         for cache in state.caches:
             cache.evict(state.n_committed)
@@ -458,13 +440,16 @@ class Denoiser(nn.Module):
         after changing ``state.bank`` or ``state.target_poses`` yourself (the teacher-forced memory test does)."""
         if self.caches_committed_kv:
             if self.last_frame_stem is not None:
-                state.last_frame = self._last_frame(state.bank.memory())
+                memory = state.bank.memory()
+                state.last_frame = self._last_frame(memory)
+                state.last_observed = None if memory is None else memory.last_observed
             return
         if self.pose_aware and state.target_poses is None:
             raise DenoiserError("a pose-aware model (memory.select=pose) chooses each window's memory by the "
                                 "window's poses: commit(..., target_poses=(B, w, 3))")
         memory = state.bank.memory(state.target_poses)
         state.last_frame = self._last_frame(memory)  # exactly what an uncached call with this memory uses
+        state.last_observed = None if memory is None else memory.last_observed
         mem = memory_path.memory_tokens(self, memory, state.batch_size)
         if self.memory_prefix:
             for cache in state.caches:

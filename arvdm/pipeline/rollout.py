@@ -119,7 +119,7 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     ctx_poses, win_poses = _poses(model, poses, schedule, n_ctx, n_frames, b, context.device)
     if n_ctx:
         _commit(ctx, runner, context, context_actions.to(device=context.device, dtype=torch.long), ctx_poses,
-                None if win_poses is None else win_poses[:, :schedule.window])
+                None if win_poses is None else win_poses[:, :schedule.window], observed=True)
     video = _run_schedule(ctx, runner, schedule, _window_actions(actions, schedule, n_frames, context.device),
                           n_frames, context.shape[2:], progress, win_poses)  # (B, n_frames, ch, H, W)
     return (video, ctx.record) if return_intermediate else video
@@ -161,9 +161,11 @@ def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, 
 
 
 def _commit(ctx: RolloutContext, runner: RowRunner, frames: torch.Tensor, actions: torch.Tensor,
-            poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None) -> None:
-    """Frames into the past (re-noised to the context level when it is > 0); the runner hears of what went in."""
-    runner.commit(ctx.commit(frames, actions, poses, target_poses), actions)
+            poses: torch.Tensor | None = None, target_poses: torch.Tensor | None = None,
+            observed: bool = False) -> None:
+    """Frames into the past (re-noised to the context level when it is > 0); the runner hears of what went in.
+    ``observed``: the real context, not generated frames (model.copy_gate=observed)."""
+    runner.commit(ctx.commit(frames, actions, poses, target_poses, observed), actions)
 
 
 def _poses(model: RolloutModel, poses: torch.Tensor | None, schedule: ARSchedule, n_ctx: int, n_frames: int, b: int,

@@ -46,12 +46,13 @@ class RolloutModel(Protocol):
 
     def commit(self, state: Any, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
                target_poses: torch.Tensor | None = None, *, levels: torch.Tensor | None = None,
-               clean: torch.Tensor | None = None) -> None:
+               clean: torch.Tensor | None = None, observed: bool = False) -> None:
         """Write (B, n, C, H, W) frames and their (B, n) actions that left the window into ``state``;
         pose-aware models (``cfg.memory.select == "pose"``) also get their poses (B, n, 3) and the next window's
         poses (B, w, 3), by which they choose its memory. Others are called with the first three only. With a
         context level (noisy context) the frames come noised, with their ``levels`` (B, n) and the ``clean`` frames
-        (B, n, C, H, W) before noising; without one these are not passed."""
+        (B, n, C, H, W) before noising; without one these are not passed. ``observed=True`` (passed only to a model with
+        ``cfg.model.copy_gate == "observed"``): the frames are the rollout's real context, not generated ones."""
 
     def __call__(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor, *,
                  memory: MemoryFrames | None = None, state: Any = None) -> torch.Tensor:

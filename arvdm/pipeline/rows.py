@@ -102,12 +102,13 @@ class RolloutContext:
         return v + self.history_guidance * (v - v_nomem)
 
     def commit(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
-               target_poses: torch.Tensor | None = None) -> torch.Tensor:
+               target_poses: torch.Tensor | None = None, observed: bool = False) -> torch.Tensor:
         """Frames (B, n, C, H, W) that left the window, with their (B, n) actions, into the past; pose-aware models
         also take their poses (B, n, 3) and the next window's (B, w, 3), by which its memory is chosen.
 
         With a context level k_ctx > 0 the frames are first re-noised to k_ctx with fresh noise (drawn here, from
-        the rollout's generator) and committed with their levels. Returns the frames as committed.
+        the rollout's generator) and committed with their levels. ``observed``: the frames are the real context, not
+        generated ones (model.copy_gate=observed gates only then). Returns the frames as committed.
         """
         levels, clean = None, frames
         if self.context_level > 0:
@@ -116,6 +117,8 @@ class RolloutContext:
             frames = self.diffusion.add_noise(frames, self.noise(frames.shape), levels)  # (B, n, C, H, W) at k_ctx
         # a model without noisy context is called as before; with it, the clean frames go along (model.copy_gate)
         kw = {} if levels is None else {"levels": levels, "clean": clean}
+        if observed and self.model.cfg.model.copy_gate == "observed":  # asked of the one model that reads it
+            kw["observed"] = True
         if self.bank is not None:
             self.bank.append(frames, actions, poses, **kw)
         elif poses is None:

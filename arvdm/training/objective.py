@@ -11,7 +11,8 @@ error-accumulation levers draw after those, and only when on: the memory frames'
 (`context_noise_max` > 0, noisy context), then the memory-dropout coin (`memory_dropout` > 0, history
 guidance); with both off the draws, and so the run, are what they were before the levers existed.
 `copy_gate_loss` > 0 (model.copy_gate) adds a supervised term for the copy gate, model.action_advection the advected
-last frame's reconstruction term; neither draws.
+last frame's reconstruction term; neither draws. model.copy_gate=observed draws last of all: which clips' last frame
+counts as observed (gated), a share `OBSERVED_GATE_SHARE`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from arvdm.config import TrainConfig
 from arvdm.model.checkpoint import unwrap
+from arvdm.model.copy_gate import OBSERVED_GATE_SHARE
 from arvdm.schedules.matrix import ARSchedule
 from memory import MemoryFrames
 
@@ -74,7 +76,9 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     `copy_gate_loss` λ > 0 (model.copy_gate): each counted frame's term also gets λ · BCE(gate, g*), the gate told
     directly the share of the last frame that makes the network's x̂0 best (`copy_target`),
     rather than only through the v-MSE, whose pull on the gate fades as the gate opens. Nothing is added for a
-    batch without memory (no last frame, no gate).
+    batch without memory (no last frame, no gate). model.copy_gate=observed: a random `OBSERVED_GATE_SHARE` of the
+    clips get the gate (their last frame counts as observed, `MemoryFrames.last_observed`), the others the network
+    alone, as a rollout has it once a generated frame is the last one; the BCE only on the gated clips.
 
     model.action_advection adds `advection_loss` (ADVECTION_LOSS_WEIGHT) · |advected − x0|² per counted frame: the
     last frame advected along the window's actions (`ActionAdvection`) should be the frame itself (CDNA's
@@ -91,8 +95,12 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
     mem = _memory(diffusion, video[:, :m], actions[:, :m], poses, ages, generator, context_noise_max,
                   memory_dropout, drop_memory) if m > 0 else None
-    logit, advected = None, None
-    advect = advection_loss > 0 and getattr(unwrap(model), "advection", None) is not None
+    logit, advected, on = None, None, None
+    core = unwrap(model)
+    advect = advection_loss > 0 and getattr(core, "advection", None) is not None
+    if mem is not None and getattr(core, "gate_on_embed", None) is not None:  # copy_gate=observed: (B,) gated clips
+        on = torch.rand((b,), generator=generator, device=generator.device).to(x0.device) < OBSERVED_GATE_SHARE
+        mem.last_observed = on
     with autocast():
         extra = {"return_gate": True} if copy_gate_loss > 0 else {}
         if advect:  # asked only when used: a plain model is called exactly as before
@@ -111,8 +119,10 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     if logit is not None:
         source = video[:, m - 1, None] if advected is None else advected  # what the gate copies (B, 1|w, C, H, W)
         share = copy_target(x0, source, x0_hat, per_pixel=logit.shape[-1] > 1)  # (B, w, 1, H|1, W|1)
-        bce = F.binary_cross_entropy_with_logits(logit.float(), share, reduction="none")
-        per_frame = per_frame + copy_gate_loss * bce.mean(dim=(2, 3, 4))  # (B, w)
+        bce = F.binary_cross_entropy_with_logits(logit.float(), share, reduction="none").mean(dim=(2, 3, 4))  # (B, w)
+        if on is not None:  # the gate of an ungated clip copies nothing: nothing to supervise
+            bce = bce * on[:, None].to(bce.dtype)
+        per_frame = per_frame + copy_gate_loss * bce  # (B, w)
     if advected is not None:  # CDNA's objective for the kernels: the advected last frame should be the next frame
         per_frame = per_frame + advection_loss * (advected - x0.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
     return (per_frame * counted).sum(), counted.sum()
