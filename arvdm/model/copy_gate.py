@@ -28,13 +28,13 @@ OBSERVED_GATE_SHARE = 0.5  # copy_gate=observed: share of training clips whose l
 def gate_on(model, cond: torch.Tensor, state: RolloutState | None, memory: MemoryFrames | None,
             last: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """copy_gate=observed: `on` (B,) is 1.0 where the last frame is an observed one (`MemoryFrames.last_observed`,
-    None = observed; a rollout's state: committed as context), else 0.0 (also without a last frame), and the window's
-    conditioning `cond` (B,T,D) gets `on` · gate_on_embed. Every other model: `cond` as it is and None (the gate
-    wherever a last frame is)."""
+    None = observed; a rollout's state: its bank's newest frame was committed as context), else 0.0 (also without a
+    last frame), and the window's conditioning `cond` (B,T,D) gets `on` · gate_on_embed. Every other model: `cond`
+    as it is and None (the gate wherever a last frame is)."""
     if model.gate_on_embed is None:
         return cond, None
     b = cond.shape[0]
-    flag = False if last is None else state.last_observed if state is not None else memory.last_observed
+    flag = False if last is None else state.bank.last_observed if state is not None else memory.last_observed
     flag = True if flag is None else flag
     on = torch.as_tensor(flag, dtype=torch.float32, device=cond.device).expand(b)  # (B,)
     return cond + on[:, None, None] * model.gate_on_embed, on  # (B,T,D), (B,)

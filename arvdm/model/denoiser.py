@@ -440,16 +440,13 @@ class Denoiser(nn.Module):
         after changing ``state.bank`` or ``state.target_poses`` yourself (the teacher-forced memory test does)."""
         if self.caches_committed_kv:
             if self.last_frame_stem is not None:
-                memory = state.bank.memory()
-                state.last_frame = self._last_frame(memory)
-                state.last_observed = None if memory is None else memory.last_observed
+                state.last_frame = self._last_frame(state.bank.memory())
             return
         if self.pose_aware and state.target_poses is None:
             raise DenoiserError("a pose-aware model (memory.select=pose) chooses each window's memory by the "
                                 "window's poses: commit(..., target_poses=(B, w, 3))")
         memory = state.bank.memory(state.target_poses)
         state.last_frame = self._last_frame(memory)  # exactly what an uncached call with this memory uses
-        state.last_observed = None if memory is None else memory.last_observed
         mem = memory_path.memory_tokens(self, memory, state.batch_size)
         if self.memory_prefix:
             for cache in state.caches:

@@ -30,7 +30,6 @@ class RolloutState:
         target_poses: pose-aware models only: (B,w,3) poses of the window the memory was chosen for.
         last_frame: model.last_frame_input only: (B,C,H,W) the most recent committed frame, as committed (the
             last frame of the bank's memory, as an uncached call would get it).
-        last_observed: model.copy_gate=observed only: whether that frame was observed (committed as context).
     """
 
     bank: MemoryBank | PoseBank
@@ -40,7 +39,6 @@ class RolloutState:
     cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     target_poses: torch.Tensor | None = None
     last_frame: torch.Tensor | None = None
-    last_observed: torch.Tensor | bool | None = None
 
     @property
     def n_committed(self) -> int:
