@@ -138,7 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         print("sample.py: hold-up horizon: " + (f"the model falls below context-mean in frames {horizon['label']} "
               f"({horizon['model']:.2f} vs {horizon['baseline']:.2f} dB)" if horizon else
               "the model stays at or above context-mean over every span"), file=sys.stderr)
+        views = result["summary"]["hold_up"].get("context_views")
+        if views:  # how much of the span the context could supply; a sharp model must invent the rest
+            print("sample.py: " + context_views_line(views), file=sys.stderr)
     return 0
+
+
+def context_views_line(views: dict[str, Any]) -> str:
+    """`arvdm.evaluation.holdup.context_views` in one line: model minus context-mean on each part of the span."""
+    def part(name: str) -> str:
+        d = views[name]
+        return f"{name} -" if d is None else f"{name} {d['mean']:+.2f} dB [{d['lo']:+.2f}, {d['hi']:+.2f}]"
+    return (f"frames {views['label']}: {views['share_seen']:.0%} show a view a context frame shows; model minus "
+            f"context-mean on those and on the rest (views the model must invent): {part('seen')}, {part('unseen')}")
 
 
 def speculation_line(i: int, rep: dict[str, Any]) -> str:

@@ -109,7 +109,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
                        verdict=cmp["verdict"]["message"])
     if context >= 1:  # the frames only memory can supply (recent = the memory length: beyond any time window)
         summary["revisits"] = revisit_score(gen, real, context, recent=max(cfg.memory.length, 1), poses=poses)
-        summary["hold_up"] = hold_up(gen, real, context)  # first span below context-mean; gradient ratio by span
+        # first span below context-mean, gradient ratio by span; with poses frames 17-64 split by context views
+        summary["hold_up"] = hold_up(gen, real, context, poses=poses)
         summary["memory_select"] = settings.memory_select or ("pose" if cfg.memory.select == "pose" else "time")
     if hybrid is not None:
         summary["hybrid"] = hybrid.summary()

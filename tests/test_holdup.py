@@ -1,5 +1,5 @@
-"""The hold-up horizon, span differences with episode-level intervals, and the gradient ratio by span
-(arvdm/evaluation/holdup.py, arvdm/evaluation/baselines.py) on hand-made curves and videos."""
+"""The hold-up horizon, span differences with episode-level intervals, the gradient ratio by span and the split by
+context views (arvdm/evaluation/holdup.py, arvdm/evaluation/baselines.py) on hand-made curves, videos and poses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from arvdm.evaluation.baselines import gradient_ratio_by_span
-from arvdm.evaluation.holdup import hold_up, hold_up_horizon, span_differences
+from arvdm.evaluation.holdup import context_views, hold_up, hold_up_horizon, span_differences
+from arvdm.evaluation.metrics import psnr_per_frame
 from arvdm.evaluation.probes import pooled_rate
 
 
@@ -67,6 +68,55 @@ def test_hold_up_from_videos():
     first = r["psnr_minus"]["context_mean"][0]
     assert first["lo"] > 0 and first["mean"] > 30  # perfect frames, clipped at PSNR_CAP, vs ~8 dB
     assert r["gradient_ratio_by_span"][0]["mean"] == pytest.approx(1.0)
+
+
+def _views_episodes(n: int = 12):
+    """2 episodes, 4 context + n generated frames. Poses: the context stands at (0, 0) facing 0; generated frame t
+    stands at (0, 0) facing 0 when t is even (a view the context shows) and 3 cells away when odd. The model draws
+    seen frames exactly and unseen ones as context-mean + 0.5."""
+    g = torch.Generator().manual_seed(2)
+    real = torch.rand(2, 4 + n, 3, 8, 8, generator=g) * 2 - 1  # (B, 4 + n, C, H, W)
+    poses = torch.zeros(2, 4 + n, 3)
+    odd = torch.arange(n) % 2 == 1
+    poses[:, 4:][:, odd, 0] = 3.0
+    gen = real[:, 4:].clone()
+    gen[:, odd] = real[:, :4].mean(1, keepdim=True) + 0.5
+    return gen, real, poses, odd
+
+
+def test_context_views_splits_the_span_by_pose():
+    gen, real, poses, odd = _views_episodes()
+    v = context_views(gen, real, context=4, poses=poses, start=2, end=10)
+    assert (v["start"], v["end"], v["label"]) == (2, 10, "3-10")
+    assert v["share_seen"] == pytest.approx(0.5)
+    mean = real[:, :4].mean(1, keepdim=True).expand(-1, 12, -1, -1, -1)
+    base = psnr_per_frame(mean, real[:, 4:]).clamp(max=60.0)  # (B, 12)
+    model = psnr_per_frame(gen, real[:, 4:]).clamp(max=60.0)
+    seen, unseen = torch.zeros(12, dtype=torch.bool), torch.zeros(12, dtype=torch.bool)
+    seen[2:10], unseen[2:10] = ~odd[2:10], odd[2:10]
+    assert v["seen"]["mean"] == pytest.approx(float((model - base)[:, seen].mean()), rel=1e-5)
+    assert v["seen"]["mean"] > 20 and v["seen"]["n_probes"] == 8 and v["seen"]["n_events"] == 2
+    assert v["unseen"]["mean"] == pytest.approx(float((model - base)[:, unseen].mean()), rel=1e-5)
+    assert v["unseen"]["mean"] < 0  # context-mean + 0.5 is worse than context-mean
+    # the heading counts too: the same place looking the other way is not a view the context shows
+    poses[:, 4:, 2] = 3.0
+    assert context_views(gen, real, context=4, poses=poses, start=2, end=10)["seen"] is None
+
+
+def test_context_views_in_hold_up_and_its_edges():
+    gen, real, poses, _ = _views_episodes()
+    assert "context_views" not in hold_up(gen, real, context=4, span=4)
+    assert hold_up(gen, real, context=4, span=4, poses=poses)["context_views"] is None  # no frame 17 in 12
+    gen, real, poses, _ = _views_episodes(n=24)
+    r = hold_up(gen, real, context=4, span=4, poses=poses)["context_views"]
+    assert r == context_views(gen, real, context=4, poses=poses, start=16, end=24)
+    assert r["label"] == "17-24" and r["share_seen"] == pytest.approx(0.5)
+    assert context_views(gen, real, context=4, poses=poses, start=0, end=64)["end"] == 24  # clipped to N
+    assert context_views(gen, real, context=4, poses=poses, start=24) is None
+    with pytest.raises(ValueError, match=r"poses \(2, 27, 3\)"):
+        context_views(gen, real, context=4, poses=poses[:, :27], start=0)
+    with pytest.raises(ValueError, match="NaN"):
+        context_views(gen, real, context=4, poses=torch.full_like(poses, float("nan")), start=0)
 
 
 def test_bad_input():

@@ -74,6 +74,19 @@ def test_sample_writes_video_arrays_metrics_and_eval(run, tmp_path):
     np.testing.assert_array_equal(strip[:32:2, :32:2], real[0, 3])  # top-left: the last context frame
 
 
+def test_sample_splits_frames_17_on_by_the_views_the_context_shows(run, tmp_path, capsys):
+    run_dir, _ = run
+    out = tmp_path / "views"
+    assert sample.main(["--run", str(run_dir), "--frames", "24", "--context", "4", "--episodes", "2", "--steps", "3",
+                        "--eval", "--out", str(out)]) == 0
+    views = json.loads((out / "eval.json").read_text())["hold_up"]["context_views"]
+    # the episodes walk x = t mod 10 facing 0: the context shows x = 0..3; generated frames 17-24 are frames
+    # 20..27 of the episode, x = 0..7, so half of them show a view the context shows
+    assert (views["label"], views["share_seen"]) == ("17-24", 0.5)
+    assert views["seen"]["n_probes"] == views["unseen"]["n_probes"] == 8
+    assert "frames 17-24: 50% show a view a context frame shows" in capsys.readouterr().err
+
+
 def test_cache_and_no_cache_agree_with_full_retention(tmp_path):
     """With retention `all` the KV-cached rollout equals the recomputing one through the whole CLI path."""
     data = tmp_path / "data"

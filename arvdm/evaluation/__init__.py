@@ -16,7 +16,7 @@ from arvdm.evaluation.evaluate import (
     to_jsonable,
     write_eval_json,
 )
-from arvdm.evaluation.holdup import hold_up, hold_up_horizon, span_differences
+from arvdm.evaluation.holdup import context_views, hold_up, hold_up_horizon, span_differences
 from arvdm.evaluation.metrics import (
     PSNR_CAP,
     frechet_distance,
@@ -67,6 +67,7 @@ __all__ = [
     "binned",
     "calibrate_threshold",
     "compare_with_baselines",
+    "context_views",
     "evaluate_retrieval",
     "evaluate_rollout",
     "find_revisits",

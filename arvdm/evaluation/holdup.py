@@ -2,7 +2,8 @@
 
     h = hold_up_horizon(model_psnr, ctx_mean_psnr, span=16)      # first span below context-mean, or None
     d = span_differences(model_psnr, ctx_mean_psnr, span=16)     # per span: mean difference, 95% interval
-    report = hold_up(gen, real, context=8)                       # all of it from videos, JSON-ready
+    report = hold_up(gen, real, context=8, poses=poses)          # all of it from videos, JSON-ready
+    views = context_views(gen, real, context=8, poses=poses)     # frames 17-64: views the context holds vs the rest
 
 Error accumulation shows as a PSNR curve that falls with the frame index; a curve alone cannot say when the
 rollout stops being worth anything. The **hold-up horizon** is the first span of generated frames where the
@@ -10,6 +11,12 @@ model's mean PSNR falls below that of the context-mean baseline (every frame = t
 ``arvdm.evaluation.baselines.baseline_frames``): from there on the model draws worse than a blurry average
 view. Blur itself shows in the spatial-gradient ratio by span (``arvdm.evaluation.baselines.
 gradient_ratio_by_span``: ~1 sharp, falling with blur), which ``hold_up`` reports beside it.
+
+Whether a model can beat context-mean far out depends on what is left to predict: a generated frame whose view
+some context frame shows (same place and heading, the revisit tolerances of ``arvdm.evaluation.revisits``) can be
+drawn from the context; one the context never showed must be invented, and a sharp sample of an unseen view is
+expected to score below a blurry average of it (two independent samples of a calibrated model are twice the
+posterior variance apart, the mean once). ``context_views`` splits a span by that, from the episodes' poses.
 
 Per-frame curves are (N,) or (B, N) (episodes by generated frames; frame 0 = first generated frame); spans are
 ``arvdm.evaluation.metrics.summarise_by_span``'s [0, span), [span, 2 span), ... Intervals resample episodes
@@ -26,9 +33,10 @@ from torch import Tensor
 
 from arvdm.evaluation.baselines import BASELINES, baseline_frames, gradient_ratio_by_span
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, summarise_by_span
-from arvdm.evaluation.probes import pooled_rate
+from arvdm.evaluation.probes import paired_difference, pooled_rate
+from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, check_poses, wrap_angle
 
-__all__ = ["hold_up", "hold_up_horizon", "span_differences"]
+__all__ = ["context_views", "hold_up", "hold_up_horizon", "span_differences"]
 
 
 def _curves(model: Any, base: Any, name: str) -> tuple[Tensor, Tensor]:
@@ -89,8 +97,54 @@ def span_differences(model: Any, base: Any, span: int = 16, n_boot: int = 1000, 
     return out
 
 
+def context_views(gen: Tensor, real: Tensor, context: int, poses: Tensor, start: int = 16, end: int = 64,
+                  pos_tol: float = DEFAULT_POS_TOL, heading_tol: float = DEFAULT_HEADING_TOL, n_boot: int = 1000,
+                  seed: int = 0, psnr_cap: float = PSNR_CAP) -> dict[str, Any] | None:
+    """Generated frames [start, end) split by whether a context frame shows their view; model minus context-mean
+    on each part.
+
+    Args:
+        gen: (B, N, C, H, W) generated frames; real: (B, context + N, C, H, W) ground truth, context included.
+        poses: (B, >= context + N, 3) the episodes' ground-truth poses (x, y, heading in radians).
+        start, end: the generated frames to split (0-based, end exclusive; default frames 17-64 counted from 1,
+            issue 21's span); `end` is clipped to N.
+        pos_tol, heading_tol: a frame "shows the same view" as a context frame within these (the revisit tolerances).
+    Returns:
+        None when the rollout has no frame at `start`; else ``{"start", "end", "label", "share_seen", "seen",
+        "unseen"}``: ``share_seen`` the fraction of the span's frames whose view a context frame shows; ``seen`` /
+        ``unseen`` each ``paired_difference`` of the model's PSNR minus context-mean's over those frames, episodes
+        resampled as events (None when the part is empty).
+    """
+    n = gen.shape[1]
+    end = min(end, n)
+    if not 0 <= start < end:
+        return None
+    if real.ndim != 5 or real.shape[1] != context + n or real.shape[0] != gen.shape[0] or context < 1:
+        raise ValueError(f"context_views: real {tuple(real.shape)} must be the {gen.shape[0]} episodes' context "
+                         f"{context} (>= 1) + generated {n} frames (gen {tuple(gen.shape)})")
+    p = check_poses(poses, "context_views")
+    if p.ndim != 3 or p.shape[0] != gen.shape[0] or p.shape[1] < context + n:
+        raise ValueError(f"context_views: poses {tuple(p.shape)} must be (B, >= {context + n}, 3) for B = "
+                         f"{gen.shape[0]} episodes")
+    span, ctx = p[:, context + start:context + end], p[:, :context]  # (B, S, 3), (B, context, 3)
+    near = torch.cdist(span[..., :2], ctx[..., :2]) <= pos_tol + 1e-9  # (B, S, context)
+    turned = wrap_angle(span[:, :, None, 2] - ctx[:, None, :, 2]).abs() <= heading_tol + 1e-9  # (B, S, context)
+    seen = (near & turned).any(dim=2).numpy()  # (B, S)
+    target = real[:, context + start:context + end]  # (B, S, C, H, W)
+    model = psnr_per_frame(gen[:, start:end], target).clamp(max=psnr_cap).numpy()  # (B, S)
+    mean = baseline_frames(real, context, n, "context_mean")[:, start:end]
+    base = psnr_per_frame(mean, target).clamp(max=psnr_cap).numpy()  # (B, S)
+    episode = np.broadcast_to(np.arange(seen.shape[0])[:, None], seen.shape)  # (B, S): each frame's episode
+
+    def part(mask: np.ndarray) -> dict[str, Any] | None:
+        return paired_difference(model[mask], base[mask], episode[mask], n_boot, seed) if mask.any() else None
+
+    return {"start": start, "end": end, "label": f"{start + 1}-{end}", "share_seen": float(seen.mean()),
+            "seen": part(seen), "unseen": part(~seen)}
+
+
 def hold_up(gen: Tensor, real: Tensor, context: int, span: int = 16, n_boot: int = 1000, seed: int = 0,
-            psnr_cap: float = PSNR_CAP) -> dict[str, Any]:
+            psnr_cap: float = PSNR_CAP, poses: Tensor | None = None) -> dict[str, Any]:
     """A rollout's hold-up measures from its videos, JSON-ready.
 
     Args:
@@ -99,7 +153,8 @@ def hold_up(gen: Tensor, real: Tensor, context: int, span: int = 16, n_boot: int
     Returns:
         ``hold_up_horizon`` (against context-mean; None = never below it), ``psnr_minus`` (per baseline in
         ``BASELINES``: ``span_differences`` of the model's PSNR minus the baseline's) and
-        ``gradient_ratio_by_span``.
+        ``gradient_ratio_by_span``; with the episodes' `poses` (B, >= context + N, 3) also ``context_views``
+        (frames 17-64 split by whether the context shows their view; `context_views`).
     """
     n = gen.shape[1]
     if real.ndim != 5 or real.shape[1] != context + n or real.shape[0] != gen.shape[0]:
@@ -109,6 +164,10 @@ def hold_up(gen: Tensor, real: Tensor, context: int, span: int = 16, n_boot: int
     model = psnr_per_frame(gen, target).clamp(max=psnr_cap)  # (B, N)
     base = {kind: psnr_per_frame(baseline_frames(real, context, n, kind), target).clamp(max=psnr_cap)
             for kind in BASELINES}  # (B, N) each
-    return {"hold_up_horizon": hold_up_horizon(model, base["context_mean"], span),
-            "psnr_minus": {kind: span_differences(model, base[kind], span, n_boot, seed) for kind in BASELINES},
-            "gradient_ratio_by_span": gradient_ratio_by_span(gen, target, span)}
+    report = {"hold_up_horizon": hold_up_horizon(model, base["context_mean"], span),
+              "psnr_minus": {kind: span_differences(model, base[kind], span, n_boot, seed) for kind in BASELINES},
+              "gradient_ratio_by_span": gradient_ratio_by_span(gen, target, span)}
+    if poses is not None:
+        report["context_views"] = context_views(gen, real, context, poses, n_boot=n_boot, seed=seed,
+                                                psnr_cap=psnr_cap)
+    return report
