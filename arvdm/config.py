@@ -102,13 +102,11 @@ class ModelConfig:
     heads: int = 4
     mlp_ratio: float = 4.0
     num_actions: int = 18  # Memory Maze has 6, Crafter 17
-    # Conv U-Net levels around the token grid: level i has unet_channels[i] channels at image_size / 2**i;
-    # the transformer blocks run on patches of the last level. [] = a plain patch DiT on pixels.
+    # Conv U-Net levels around the token grid (level i: unet_channels[i] channels at image_size / 2**i); [] = a DiT
     unet_channels: list = field(default_factory=list)
     frames_per_chunk: int = 1  # c: frames that see each other; serves schedules whose delta is a multiple of c
     temporal_attention: str = FACTORIZED  # one of TEMPORAL_ATTENTION_FORMS
-    # The last past frame at full resolution beside every window frame (GameNGen), through a zero-init conv
-    last_frame_input: bool = False  # added to the first conv's output. Needs unet_channels, memory.length >= 1.
+    last_frame_input: bool = False  # the last past frame at full resolution (GameNGen); needs unet_channels, memory
     copy_gate: str = "off"  # a gate on the predicted clean frame that copies the last frame: COPY_GATES (Denoiser)
     action_advection: int = 0  # r > 0: that frame moved along the actions by learned (2r+1)^2 kernels (ActionAdvection)
 
@@ -266,6 +264,7 @@ class TrainConfig:
     rollout_steps: int = 5
     rollout_share: float = 1.0  # share of clips given the generated frames; the rest keep the real ones
     copy_gate_loss: float = 0.0  # model.copy_gate: weight of the BCE to the best gate (objective.copy_target)
+    copy_gate_detach: bool = False  # v-MSE on the network's own v (before the gate); the gate learns by the BCE alone
 
     def validate(self) -> None:
         for key in ("window", "batch_size", "max_steps", "keep_checkpoints", "grad_accum", "cpu_ranks"):
@@ -343,6 +342,8 @@ class Config:
                f"must be <= diffusion.num_levels={k_max + 1}")
         _check(0 <= _number(tc.copy_gate_loss) < math.inf and (not tc.copy_gate_loss or self.model.copy_gate != "off"),
                "train.copy_gate_loss", tc.copy_gate_loss, "must be a finite number >= 0; > 0 needs model.copy_gate")
+        _check(type(tc.copy_gate_detach) is bool and (not tc.copy_gate_detach or tc.copy_gate_loss > 0),
+               "train.copy_gate_detach", tc.copy_gate_detach, "must be true or false; true needs copy_gate_loss > 0")
         return self
 
     def default_context(self) -> int:

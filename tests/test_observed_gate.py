@@ -139,6 +139,44 @@ def test_the_loss_draws_the_gated_clips_last_and_supervises_only_their_gate(monk
     assert loss(model, 0.5)[0] > loss(model, 0.0)[0]
 
 
+def test_own_v_is_the_network_before_the_gate():
+    """`copy_gate.own_v` recovers v̂ from the x̂0 `copy_last` returns: an open gate's own v is the closed gate's v (the
+    two models differ only in the gate's channel), while the gated v the open model returns is not."""
+    opened, closed = make(logit=60.0), make(logit=-60.0)  # the same v̂ channels: only the gate's channel differs
+    mem, x, levels, a = window([1, 40, 70, K])
+    v_open, _, x0_hat = opened(x, levels, a, memory=mem, return_gate=True)
+    v_closed = closed(x, levels, a, memory=mem)
+    torch.testing.assert_close(copy_gate.own_v(opened, x, levels, x0_hat), v_closed.float(), rtol=1e-4, atol=1e-4)
+    assert (v_open.float() - v_closed.float()).abs().amax() > 0.1
+    assert torch.equal(copy_gate.own_v(opened, x, torch.zeros_like(levels), x0_hat), torch.zeros_like(x0_hat))
+
+
+@pytest.mark.parametrize("gate", ["pixel", "observed"])
+def test_a_detached_gate_leaves_the_v_loss_to_the_network(gate, monkeypatch):
+    """train.copy_gate_detach: the v-MSE no longer sees the gate. With a negligible BCE weight an open and a closed
+    gate give the same loss (the network's own v̂ is scored); without it they do not. Every clip gated here."""
+    monkeypatch.setattr("arvdm.training.objective.OBSERVED_GATE_SHARE", 1.1)
+    video, act = clip(6, seed=1)
+
+    def loss(model, detach):
+        g = torch.Generator().manual_seed(0)
+        return diffusion_forcing_loss(model, PerFrameDiffusion(model.cfg.diffusion), video, act, 4, K, g,
+                                      copy_gate_loss=1e-9, copy_gate_detach=detach)[0].item()
+
+    opened, closed = make(logit=60.0, gate=gate), make(logit=-60.0, gate=gate)
+    assert loss(opened, True) == pytest.approx(loss(closed, True), rel=1e-5)
+    assert loss(opened, False) > 1.5 * loss(closed, False)
+    assert loss(closed, True) == pytest.approx(loss(closed, False), rel=1e-4)  # a closed gate changes nothing
+
+
+def test_copy_gate_detach_needs_the_gate_loss():
+    with pytest.raises(ConfigError, match="train.copy_gate_detach.*copy_gate_loss > 0"):
+        tiny_cfg(*GATED, "train.copy_gate_detach=true").validate()
+    with pytest.raises(ConfigError, match="train.copy_gate_detach.*bool"):
+        tiny_cfg(*GATED, "train.copy_gate_loss=0.1", "train.copy_gate_detach=1").validate()
+    tiny_cfg(*GATED, "train.copy_gate_loss=0.1", "train.copy_gate_detach=true").validate()
+
+
 def test_the_flag_vector_round_trips_and_the_config_needs_the_last_frame(tmp_path):
     model = observed(embed=0.25)
     model.save_pretrained(tmp_path / "m")

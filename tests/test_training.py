@@ -328,3 +328,17 @@ def test_the_trainer_adds_the_copy_gate_term(tmp_path, data):
         rows = list(csv.DictReader(open(run / "log.csv")))
         losses.append(float(rows[0]["loss"]))
     assert losses[1] > losses[0] + 1e-3
+
+
+def test_the_trainer_passes_copy_gate_detach_on(tmp_path, data, monkeypatch):
+    """train.copy_gate_detach reaches the loss the trainer optimises (validation's v-MSE is the model's output)."""
+    from arvdm.training import trainer as trainer_module
+    calls, original = [], trainer_module.diffusion_forcing_loss
+    monkeypatch.setattr(trainer_module, "diffusion_forcing_loss",
+                        lambda *a, **kw: calls.append(kw.get("copy_gate_detach", False)) or original(*a, **kw))
+    for detach in (False, True):
+        cfg = tiny_cfg(data, "model.last_frame_input=true", "model.copy_gate=frame", "train.copy_gate_loss=0.5",
+                       f"train.copy_gate_detach={str(detach).lower()}", "train.max_steps=1", "train.val_every=0",
+                       "train.sample_every=0")
+        Trainer(cfg, tmp_path / f"run{detach}", device="cpu").fit()
+    assert calls == [False, True]

@@ -2,6 +2,7 @@
 
     cond, on = gate_on(model, cond, state, memory, last)          # copy_gate=observed: (B,) 1 on real last frames
     v, logit, x0_hat = copy_last(model, out, x, levels, source, on)
+    v_hat = own_v(model, x, levels, x0_hat)                       # the network's v before the gate (training)
 
 Functions of a `Denoiser` (arvdm/model/denoiser.py), which owns what they read: `sqrt_ab` / `sqrt_1m_ab` (the run's
 noise schedule), `gate_per_frame` and, for copy_gate=observed, `gate_on_embed`.
@@ -19,7 +20,7 @@ import torch
 from arvdm.model.state import RolloutState
 from memory import MemoryFrames
 
-__all__ = ["COPY_GATE_BIAS", "OBSERVED_GATE_SHARE", "copy_last", "gate_on"]
+__all__ = ["COPY_GATE_BIAS", "OBSERVED_GATE_SHARE", "copy_last", "gate_on", "own_v"]
 
 COPY_GATE_BIAS = -4.0  # the gate's logit offset, so a fresh model copies sigmoid(-4) = 1.8%
 OBSERVED_GATE_SHARE = 0.5  # copy_gate=observed: share of training clips whose last frame counts as observed
@@ -67,3 +68,12 @@ def copy_last(model, out: torch.Tensor, x: torch.Tensor, levels: torch.Tensor, l
         gate = gate * on[:, None, None, None, None]
     v = v_hat32 + gate * (x0_hat - last.float()) / s1.clamp_min(1e-6)
     return torch.where(s1 > 0, v, v_hat32).to(out.dtype), logit, x0_hat  # (B,T,C,H,W), logit, x̂0
+
+
+def own_v(model, x: torch.Tensor, levels: torch.Tensor, x0_hat: torch.Tensor) -> torch.Tensor:
+    """The network's own v̂ (B,T,C,H,W) float32, before the gate, from the x̂0 `copy_last` returns: the inverse of
+    x̂0 = √ᾱ x − √(1−ᾱ) v̂, v̂ = (√ᾱ x − x̂0) / √(1−ᾱ) (zero at level 0, where no frame is counted).
+    train.copy_gate_detach takes the v-MSE on it, so the network trains as one without a gate."""
+    s, s1 = model.sqrt_ab[levels], model.sqrt_1m_ab[levels]  # (B,T) each
+    s, s1 = s[:, :, None, None, None], s1[:, :, None, None, None]  # (B,T,1,1,1)
+    return torch.where(s1 > 0, (s * x.float() - x0_hat) / s1.clamp_min(1e-6), torch.zeros_like(x0_hat))

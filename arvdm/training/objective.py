@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from arvdm.config import TrainConfig
 from arvdm.model.checkpoint import unwrap
-from arvdm.model.copy_gate import OBSERVED_GATE_SHARE
+from arvdm.model.copy_gate import OBSERVED_GATE_SHARE, own_v
 from arvdm.schedules.matrix import ARSchedule
 from memory import MemoryFrames
 
@@ -56,7 +56,7 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
                            ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0,
                            drop_memory: bool | None = None, copy_gate_loss: float = 0.0,
-                           advection_loss: float = ADVECTION_LOSS_WEIGHT):
+                           advection_loss: float = ADVECTION_LOSS_WEIGHT, copy_gate_detach: bool = False):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -79,6 +79,9 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     batch without memory (no last frame, no gate). model.copy_gate=observed: a random `OBSERVED_GATE_SHARE` of the
     clips get the gate (their last frame counts as observed, `MemoryFrames.last_observed`), the others the network
     alone, as a rollout has it once a generated frame is the last one; the BCE only on the gated clips.
+    `copy_gate_detach` (needs λ > 0): the v-MSE is taken on the network's own v̂, before the gate
+    (`copy_gate.own_v`), so the network trains exactly as one without a gate and the gate learns from the BCE
+    alone; the gate then composites the best share of the last frame onto an x̂0 that does not lean on it.
 
     model.action_advection adds `advection_loss` (ADVECTION_LOSS_WEIGHT) · |advected − x0|² per counted frame: the
     last frame advected along the window's actions (`ActionAdvection`) should be the frame itself (CDNA's
@@ -108,6 +111,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
         outs = model(x_t, levels, act, memory=mem, **extra)
     if copy_gate_loss > 0:
         v, logit, x0_hat = outs[:3]  # logit (B,w,1,H|1,W|1) | None
+        if copy_gate_detach and x0_hat is not None:  # the v-MSE on the network's own v̂, not the gated one
+            v = own_v(core, x_t, levels, x0_hat)  # (B, w, C, H, W) float32
     else:
         v = outs[0] if advect else outs  # (B, w, C, H, W)
     if advect:

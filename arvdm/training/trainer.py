@@ -199,7 +199,8 @@ class Trainer:
                                                       tc.min_snr_gamma, **extras,
                                                       context_noise_max=tc.context_noise_max,
                                                       memory_dropout=tc.memory_dropout, drop_memory=drop,
-                                                      copy_gate_loss=tc.copy_gate_loss)
+                                                      copy_gate_loss=tc.copy_gate_loss,
+                                                      copy_gate_detach=tc.copy_gate_detach)
                 total.backward()
             total_sum += total.detach().float()
             count_sum += count.detach().float()
