@@ -129,11 +129,11 @@ def context_views(gen: Tensor, real: Tensor, context: int, poses: Tensor, start:
     span, ctx = p[:, context + start:context + end], p[:, :context]  # (B, S, 3), (B, context, 3)
     near = torch.cdist(span[..., :2], ctx[..., :2]) <= pos_tol + 1e-9  # (B, S, context)
     turned = wrap_angle(span[:, :, None, 2] - ctx[:, None, :, 2]).abs() <= heading_tol + 1e-9  # (B, S, context)
-    seen = (near & turned).any(dim=2).numpy()  # (B, S)
+    seen = (near & turned).any(dim=2).cpu().numpy()  # (B, S)
     target = real[:, context + start:context + end]  # (B, S, C, H, W)
-    model = psnr_per_frame(gen[:, start:end], target).clamp(max=psnr_cap).numpy()  # (B, S)
+    model = psnr_per_frame(gen[:, start:end], target).clamp(max=psnr_cap).cpu().numpy()  # (B, S)
     mean = baseline_frames(real, context, n, "context_mean")[:, start:end]
-    base = psnr_per_frame(mean, target).clamp(max=psnr_cap).numpy()  # (B, S)
+    base = psnr_per_frame(mean, target).clamp(max=psnr_cap).cpu().numpy()  # (B, S)
     episode = np.broadcast_to(np.arange(seen.shape[0])[:, None], seen.shape)  # (B, S): each frame's episode
 
     def part(mask: np.ndarray) -> dict[str, Any] | None:
