@@ -34,7 +34,7 @@ from torch import Tensor
 from arvdm.evaluation.baselines import BASELINES, baseline_frames, gradient_ratio_by_span
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, summarise_by_span
 from arvdm.evaluation.probes import paired_difference, pooled_rate
-from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, check_poses, wrap_angle
+from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, check_poses, pose_match_matrix
 
 __all__ = ["context_views", "hold_up", "hold_up_horizon", "span_differences"]
 
@@ -116,32 +116,37 @@ def context_views(gen: Tensor, real: Tensor, context: int, poses: Tensor, start:
         resampled as events (None when the part is empty).
     """
     n = gen.shape[1]
-    end = min(end, n)
-    if not 0 <= start < end:
-        return None
     if real.ndim != 5 or real.shape[1] != context + n or real.shape[0] != gen.shape[0] or context < 1:
         raise ValueError(f"context_views: real {tuple(real.shape)} must be the {gen.shape[0]} episodes' context "
                          f"{context} (>= 1) + generated {n} frames (gen {tuple(gen.shape)})")
+    target = real[:, context:]  # (B, N, C, H, W)
+    model = psnr_per_frame(gen, target).clamp(max=psnr_cap)  # (B, N)
+    base = psnr_per_frame(baseline_frames(real, context, n, "context_mean"), target).clamp(max=psnr_cap)  # (B, N)
+    return _split_by_context_views(model, base, context, poses, start, end, pos_tol, heading_tol, n_boot, seed)
+
+
+def _split_by_context_views(model: Tensor, base: Tensor, context: int, poses: Tensor, start: int, end: int,
+                            pos_tol: float, heading_tol: float, n_boot: int, seed: int) -> dict[str, Any] | None:
+    """`context_views` from the per-frame PSNR (B, N) of the model and of context-mean (`hold_up` has them)."""
+    b, n = model.shape
+    end = min(end, n)
+    if not 0 <= start < end:
+        return None
     p = check_poses(poses, "context_views")
-    if p.ndim != 3 or p.shape[0] != gen.shape[0] or p.shape[1] < context + n:
-        raise ValueError(f"context_views: poses {tuple(p.shape)} must be (B, >= {context + n}, 3) for B = "
-                         f"{gen.shape[0]} episodes")
-    span, ctx = p[:, context + start:context + end], p[:, :context]  # (B, S, 3), (B, context, 3)
-    near = torch.cdist(span[..., :2], ctx[..., :2]) <= pos_tol + 1e-9  # (B, S, context)
-    turned = wrap_angle(span[:, :, None, 2] - ctx[:, None, :, 2]).abs() <= heading_tol + 1e-9  # (B, S, context)
-    seen = (near & turned).any(dim=2).cpu().numpy()  # (B, S)
-    target = real[:, context + start:context + end]  # (B, S, C, H, W)
-    model = psnr_per_frame(gen[:, start:end], target).clamp(max=psnr_cap).cpu().numpy()  # (B, S)
-    mean = baseline_frames(real, context, n, "context_mean")[:, start:end]
-    base = psnr_per_frame(mean, target).clamp(max=psnr_cap).cpu().numpy()  # (B, S)
-    episode = np.broadcast_to(np.arange(seen.shape[0])[:, None], seen.shape)  # (B, S): each frame's episode
+    if p.ndim != 3 or p.shape[0] != b or p.shape[1] < context + n:
+        raise ValueError(f"context_views: poses {tuple(p.shape)} must be (B, >= {context + n}, 3) for B = {b} "
+                         "episodes")
+    # the revisit definition of "the same view" (arvdm.evaluation.revisits), rows: the span, columns: the context
+    seen = torch.stack([pose_match_matrix(p[i, :context + end], pos_tol, heading_tol)[context + start:, :context]
+                        .any(dim=1) for i in range(b)]).cpu().numpy()  # (B, S)
+    model, base = model[:, start:end].cpu().numpy(), base[:, start:end].cpu().numpy()  # (B, S) each
+    episode = np.broadcast_to(np.arange(b)[:, None], seen.shape)  # (B, S): each frame's episode
 
     def part(mask: np.ndarray) -> dict[str, Any] | None:
         return paired_difference(model[mask], base[mask], episode[mask], n_boot, seed) if mask.any() else None
 
     return {"start": start, "end": end, "label": f"{start + 1}-{end}", "share_seen": float(seen.mean()),
             "seen": part(seen), "unseen": part(~seen)}
-
 
 def hold_up(gen: Tensor, real: Tensor, context: int, span: int = 16, n_boot: int = 1000, seed: int = 0,
             psnr_cap: float = PSNR_CAP, poses: Tensor | None = None) -> dict[str, Any]:
@@ -168,6 +173,6 @@ def hold_up(gen: Tensor, real: Tensor, context: int, span: int = 16, n_boot: int
               "psnr_minus": {kind: span_differences(model, base[kind], span, n_boot, seed) for kind in BASELINES},
               "gradient_ratio_by_span": gradient_ratio_by_span(gen, target, span)}
     if poses is not None:
-        report["context_views"] = context_views(gen, real, context, poses, n_boot=n_boot, seed=seed,
-                                                psnr_cap=psnr_cap)
+        report["context_views"] = _split_by_context_views(model, base["context_mean"], context, poses, 16, 64,
+                                                          DEFAULT_POS_TOL, DEFAULT_HEADING_TOL, n_boot, seed)
     return report
