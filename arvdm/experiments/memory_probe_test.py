@@ -221,10 +221,12 @@ def _stack_memory(mems: list[MemoryFrames], device: torch.device) -> MemoryFrame
 
 class _GivenMemory:
     """Stands in for a rollout's bank in a `RolloutState`: every sample's memory is already chosen (each probe
-    window's by its own PoseBank), so `memory()` hands it over as it is."""
+    window's by its own PoseBank), so `memory()` hands it over as it is. The past is ground truth, so its last
+    frame counts as observed (`last_observed`, what a copy_gate=observed model reads from a rollout's bank)."""
 
     def __init__(self, memory: MemoryFrames):
         self.given, self.n_committed = memory, memory.window_start
+        self.last_observed = True if memory.last_observed is None else memory.last_observed
 
     def __len__(self) -> int:
         return self.given.frames.shape[1]
