@@ -139,6 +139,27 @@ def test_the_loss_draws_the_gated_clips_last_and_supervises_only_their_gate(monk
     assert loss(model, 0.5)[0] > loss(model, 0.0)[0]
 
 
+def test_a_generated_last_frame_is_never_gated_in_the_loss(monkeypatch):
+    """train.rollout_frames: clips whose last memory frame the model generated (`rollout_context`'s
+    generated_last) train the network alone whatever the draw: an open and a closed gate give the same loss, BCE
+    included; the draw is still made. Without the flag (every clip gated here) they differ."""
+    monkeypatch.setattr("arvdm.training.objective.OBSERVED_GATE_SHARE", 1.1)
+    video, act = clip(6, seed=1)
+
+    def loss(model, generated):
+        g = torch.Generator().manual_seed(0)
+        total, _ = diffusion_forcing_loss(model, PerFrameDiffusion(model.cfg.diffusion), video, act, 4, K, g,
+                                          copy_gate_loss=0.5, generated_last=generated)
+        return total.item(), g.get_state()
+
+    opened, closed = observed(logit=60.0), observed(logit=-60.0)
+    every, none = torch.ones(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    assert loss(opened, every)[0] == pytest.approx(loss(closed, every)[0], rel=1e-6)
+    assert loss(opened, none)[0] == pytest.approx(loss(opened, None)[0], rel=1e-6)
+    assert abs(loss(opened, None)[0] - loss(closed, None)[0]) > 0.1 * loss(closed, None)[0]
+    assert torch.equal(loss(opened, every)[1], loss(opened, None)[1])  # the same draws
+
+
 def test_own_v_is_the_network_before_the_gate():
     """`copy_gate.own_v` recovers v̂ from the x̂0 `copy_last` returns: an open gate's own v is the closed gate's v (the
     two models differ only in the gate's channel), while the gated v the open model returns is not."""

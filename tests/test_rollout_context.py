@@ -76,7 +76,7 @@ def test_time_clip_with_fewer_generated_frames_than_memory_keeps_the_newest_real
     new_video, new_actions, extras = rollout_context(KnownX0(d), d, video, actions, m, m, chunked(g, K, 3),
                                                      torch.Generator())
     gen = 0.5 * video[:, 1:2] + 0.01 * actions[:, 2:3, None, None, None].float()
-    assert extras == {} and new_video.shape[1] == m + w
+    assert list(extras) == ["generated_last"] and bool(extras["generated_last"].all()) and new_video.shape[1] == m + w
     assert torch.equal(new_video[:, :1], video[:, 1:2]) and torch.equal(new_video[:, 2:], video[:, 3:])
     torch.testing.assert_close(new_video[:, 1:2], gen, atol=1e-5, rtol=0)
     assert torch.equal(new_actions, actions[:, [1, 2, 3, 4, 5, 6]])
@@ -104,14 +104,17 @@ def test_rollout_share_gives_each_clip_the_generated_or_the_real_frames_by_a_dra
     video = torch.rand(n, m + g + w, C, S, S, generator=gen_) * 2 - 1
     actions = torch.randint(0, 6, (n, m + g + w), generator=gen_)
     d = dif()
-    out = {share: rollout_context(KnownX0(d), d, video, actions, m, m, chunked(g, K, 2),
-                                  torch.Generator().manual_seed(0), eta=0.0, share=share)[0] for share in (1.0, 0.5)}
+    runs = {share: rollout_context(KnownX0(d), d, video, actions, m, m, chunked(g, K, 2),
+                                   torch.Generator().manual_seed(0), eta=0.0, share=share) for share in (1.0, 0.5)}
+    out = {share: run[0] for share, run in runs.items()}
     ref = torch.Generator().manual_seed(0)
     torch.randn((n, g, C, S, S), generator=ref)  # the generation's only draw (eta 0)
     own = torch.rand((n,), generator=ref) < 0.5  # then one draw per clip
     assert 0 < int(own.sum()) < n
     expect = torch.where(own[:, None, None, None, None], out[1.0][:, :m], video[:, g:m + g])  # generated | real
     assert torch.equal(out[0.5][:, :m], expect) and torch.equal(out[0.5][:, m:], video[:, m + g:])
+    # the clips whose last memory frame is the model's own, for the observed-only copy gate
+    assert torch.equal(runs[0.5][2]["generated_last"], own) and bool(runs[1.0][2]["generated_last"].all())
 
 
 @pytest.mark.parametrize("overrides, match", [

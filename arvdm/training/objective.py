@@ -56,7 +56,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
                            ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0,
                            drop_memory: bool | None = None, copy_gate_loss: float = 0.0,
-                           advection_loss: float = ADVECTION_LOSS_WEIGHT, copy_gate_detach: bool = False):
+                           advection_loss: float = ADVECTION_LOSS_WEIGHT, copy_gate_detach: bool = False,
+                           generated_last: torch.Tensor | None = None):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -79,6 +80,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     batch without memory (no last frame, no gate). model.copy_gate=observed: a random `OBSERVED_GATE_SHARE` of the
     clips get the gate (their last frame counts as observed, `MemoryFrames.last_observed`), the others the network
     alone, as a rollout has it once a generated frame is the last one; the BCE only on the gated clips.
+    `generated_last` (B,) bool (`rollout_context`'s): clips whose last memory frame the model generated are never
+    gated, whatever the draw (the draw is still made, so the generator advances as without it).
     `copy_gate_detach` (needs λ > 0): the v-MSE is taken on the network's own v̂, before the gate
     (`copy_gate.own_v`), so the network trains exactly as one without a gate and the gate learns from the BCE
     alone; the gate then composites the best share of the last frame onto an x̂0 that does not lean on it.
@@ -103,6 +106,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     advect = advection_loss > 0 and getattr(core, "advection", None) is not None
     if mem is not None and getattr(core, "gate_on_embed", None) is not None:  # copy_gate=observed: (B,) gated clips
         on = torch.rand((b,), generator=generator, device=generator.device).to(x0.device) < OBSERVED_GATE_SHARE
+        if generated_last is not None:  # rollout-trained clips: the model's own last frame is not an observed one
+            on = on & ~generated_last.to(on.device)
         mem.last_observed = on
     with autocast():
         extra = {"return_gate": True} if copy_gate_loss > 0 else {}
@@ -183,10 +188,12 @@ def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor
     actions through the rows of `schedule` (a `chunked` schedule of window G: one AR step, K to 0; DDIM-eta
     transitions, noise from `generator`), as a chunked rollout's AR step does. Out: the
     diffusion-forcing clip (B, m+w) of the window with the memory it then has, actions (B, m+w) and the extras
-    ({"poses": (B, m+w, 3), "ages": (B, m)} or {}): with select=time the last m of [m memory + G generated]
+    ({"poses": (B, m+w, 3), "ages": (B, m)} with poses; "generated_last" below): with select=time the last m of [m memory + G generated]
     frames; with select=pose the same k chosen frames (G older) and the last r of [r recent + G generated].
     `share` < 1: each clip keeps the generated frames with that probability (a draw per clip from `generator`,
     after the generation's; none when 1), the others the real G frames, as a rollout's first window has them.
+    The extras also hold "generated_last" (B,) bool: the clips that took the generated frames (their last memory
+    frame is the model's own, so `diffusion_forcing_loss` never gates it under model.copy_gate=observed).
     """
     m, g, keep = memory_length, schedule.window, recent
     b = actions.shape[0]
@@ -200,14 +207,15 @@ def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor
         with autocast():
             v = model(x, la, act, memory=mem)  # (B, G, C, H, W)
         x = diffusion.step(x, v.to(x.dtype), la, lb, eta, generator)
-    if share < 1.0:  # (B,) clips that keep the generated frames; the others take the real ones
+    own = torch.ones((b,), dtype=torch.bool, device=video.device)  # (B,) clips that keep the generated frames
+    if share < 1.0:  # the others take the real ones
         own = torch.rand((b,), generator=generator, device=generator.device).to(video.device) < share
         x = torch.where(own[:, None, None, None, None], x, video[:, m:m + g])
     past = torch.cat([video[:, k:m], x], dim=1)  # (B, r+G, C, H, W): recent memory, then the generated frames
     idx = list(range(k)) + list(range(m + g - keep, m + g))  # the memory after the G frames, in clip positions
     new_video = torch.cat([video[:, :k], past[:, -keep:], video[:, m + g:]], dim=1)  # (B, m+w, C, H, W)
     new_actions = torch.cat([actions[:, idx], actions[:, m + g:]], dim=1)  # (B, m+w)
-    extras: dict[str, torch.Tensor] = {}
+    extras: dict[str, torch.Tensor] = {"generated_last": own}
     if poses is not None:
         extras["poses"] = torch.cat([poses[:, idx], poses[:, m + g:]], dim=1)  # (B, m+w, 3)
         extras["ages"] = torch.cat([ages[:, :k] + g, ages[:, k:]], dim=1)  # the chosen are G frames older
