@@ -4,6 +4,7 @@ fresh views elsewhere, so every revisit is one probe and one event."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -103,6 +104,25 @@ def test_the_teacher_forced_window_is_a_rollout_from_the_ground_truth_past(setup
     assert (gen["pose"] - gen["time"]).abs().max() > 50 * 1e-5  # the tolerance is far below what memory changes
 
 
+def test_last_generated_turns_the_observed_copy_gate_off(setup):
+    """The test model has tiny's copy gate on observed frames. Counted as observed (the default) the gate acts: an open
+    and a closed gate give other frames; counted as generated it is off: they give the same frames, bit for bit."""
+    model, _, eps, diffusion, schedule, _ = setup
+    frames = [(0, 9), (1, 19), (2, 12)]
+    gates = []
+    for logit in (60.0, -60.0):
+        gated = copy.deepcopy(model)
+        with torch.no_grad():
+            gated.decoder.out.weight[-1].zero_()
+            gated.decoder.out.bias[-1] = logit
+        gates.append(gated)
+    for observed in (True, False):
+        opened, closed = (mpt.generate_probe_frames(g, diffusion, schedule, eps, frames, ("pose",), batch=3, seed=2,
+                                                    progress=False, last_observed=observed)["pose"] for g in gates)
+        assert torch.equal(opened, closed) != observed
+    assert model.gate_on_embed is not None  # the preset's gate, not a plain model
+
+
 def test_a_mode_against_itself_is_exactly_zero_and_memory_that_matters_separates_pose_from_other(setup):
     model, _, eps, diffusion, schedule, _ = setup
     frames = [(e, t) for e in range(3) for t in REVISITS[:4]]
@@ -171,7 +191,11 @@ def test_cli_writes_the_json_and_refuses_bad_input(setup, tmp_path, capsys):
     assert mpt.main(["--run", str(run), "--data", str(root), "--out", str(out), "--steps", "2", "--stride", "3"]) == 0
     res = json.loads((out / "memory_probe_test.json").read_text())
     assert res["stride"] == 3 and res["sets"]["pixel"]["events"] == 36 and "verdict" in res
-    assert "pixel: PSNR pose" in capsys.readouterr().out
+    assert res["last_observed"] is True and "pixel: PSNR pose" in capsys.readouterr().out
+    assert mpt.main(["--run", str(run), "--data", str(root), "--out", str(out), "--steps", "2", "--stride", "3",
+                     "--last-generated"]) == 0
+    assert json.loads((out / "memory_probe_test.json").read_text())["last_observed"] is False
+    assert "counted as generated" in capsys.readouterr().out
 
     def refused(data, run_dir=run):
         bad_out = tmp_path / "bad"

@@ -33,7 +33,10 @@ keeps its first frame, so events are not lost). Probe windows are batched (``--b
 memory of every window sits at the same canonical time positions, which RoPE's relative distances make
 equivalent to the episode's own). Of each window only its first chunk (frame t's) is denoised: block-causal
 attention lets it see memory and itself only, so it comes out as in the whole window (a test holds both to a
-rollout), and the memory's keys/values are built once per window, as in a cached rollout. Writes
+rollout), and the memory's keys/values are built once per window, as in a cached rollout. The past's last frame
+counts as observed, as the ground truth is, so a ``copy_gate=observed`` run gates every probe window (as a
+rollout's first window); ``--last-generated`` counts it as generated, so the gate stays off and the network runs as
+it does after a rollout's first window, where revisits happen. Writes
 ``memory_probe_test.json`` into --out (default RUN/memory_probe_test/).
 """
 
@@ -222,11 +225,12 @@ def _stack_memory(mems: list[MemoryFrames], device: torch.device) -> MemoryFrame
 class _GivenMemory:
     """Stands in for a rollout's bank in a `RolloutState`: every sample's memory is already chosen (each probe
     window's by its own PoseBank), so `memory()` hands it over as it is. The past is ground truth, so its last
-    frame counts as observed (`last_observed`, what a copy_gate=observed model reads from a rollout's bank)."""
+    frame counts as observed (`last_observed`, what a copy_gate=observed model reads from a rollout's bank) unless
+    `observed` is False: the gate then stays off, as in a rollout after its first window."""
 
-    def __init__(self, memory: MemoryFrames):
+    def __init__(self, memory: MemoryFrames, observed: bool = True):
         self.given, self.n_committed = memory, memory.window_start
-        self.last_observed = True if memory.last_observed is None else memory.last_observed
+        self.last_observed = observed
 
     def __len__(self) -> int:
         return self.given.frames.shape[1]
@@ -235,11 +239,11 @@ class _GivenMemory:
         return self.given
 
 
-def _state(model, mem: MemoryFrames, frames: int) -> RolloutState:
+def _state(model, mem: MemoryFrames, frames: int, observed: bool = True) -> RolloutState:
     """A cached-rollout state holding `mem` for a window of `frames` frames: the memory's K/V (or projection) are
     built once, by the same refresh a commit runs (cached == recomputed), instead of at every call."""
     state = model.init_state(mem.frames.shape[0])
-    state.bank, state.target_poses = _GivenMemory(mem), mem.target_poses
+    state.bank, state.target_poses = _GivenMemory(mem, observed), mem.target_poses
     model.refresh_memory(state)  # the denoiser's own memory build from state.bank (the step every commit ends with)
     state.target_poses = mem.target_poses[:, :frames]  # the generated frames' poses (the memory was chosen for w)
     return state
@@ -282,9 +286,10 @@ def _denoise(model, diffusion: PerFrameDiffusion, schedule: ARSchedule, state: R
 
 def generate_probe_frames(model, diffusion: PerFrameDiffusion, schedule: ARSchedule, eps: list[dict[str, Any]],
                           frames: list[tuple[int, int]], modes: tuple[str, ...] = MODES, batch: int = 32,
-                          seed: int = 0, progress: bool = True) -> dict[str, torch.Tensor]:
+                          seed: int = 0, progress: bool = True, last_observed: bool = True) -> dict[str, torch.Tensor]:
     """The generated frame t (F, C, H, W) for every (episode, t) of ``frames`` under each memory mode: the window
-    at t generated from the ground truth before it, ``batch`` windows per forward, the same noise in every mode."""
+    at t generated from the ground truth before it, ``batch`` windows per forward, the same noise in every mode.
+    ``last_observed`` False: the past's last frame counts as generated (a copy_gate=observed model's gate off)."""
     w, c, device = schedule.window, model.frames_per_chunk, model.device  # frame t is in the first chunk
     draws = 1 + len(_transitions(schedule)) * (diffusion.cfg.eta > 0)
     shape = tuple(eps[frames[0][0]]["video"].shape[1:])  # (C, H, W)
@@ -299,7 +304,7 @@ def generate_probe_frames(model, diffusion: PerFrameDiffusion, schedule: ARSched
             mems = [_window_memory(model, eps, e, t, mode, w) for e, t in chunk]
             for m in sorted({x.frames.shape[1] for x in mems}):  # windows early in an episode remember fewer
                 idx = [i for i, x in enumerate(mems) if x.frames.shape[1] == m]
-                state = _state(model, _stack_memory([mems[i] for i in idx], device), c)
+                state = _state(model, _stack_memory([mems[i] for i in idx], device), c, last_observed)
                 gen = _denoise(model, diffusion, schedule, state, actions[idx], noise[idx])  # (P', c, C, H, W)
                 out[mode][[start + i for i in idx]] = gen[:, 0].float().cpu()  # frame t: the window's first
             bar.update(1)
@@ -314,9 +319,10 @@ def generate_probe_frames(model, diffusion: PerFrameDiffusion, schedule: ARSched
 
 def run_memory_probe_test(model, diffusion: PerFrameDiffusion, schedule: ARSchedule, eps: list[dict[str, Any]],
                           stride: int = 1, batch: int = 32, seed: int = 0, n_boot: int = 2000,
-                          progress: bool = True) -> dict[str, Any]:
+                          progress: bool = True, last_observed: bool = True) -> dict[str, Any]:
     """The test on loaded episodes with a pose-aware model (see the module docstring): probe sets, teacher-forced
     frames under every mode, references, and per set pooled means, paired differences and a verdict in words.
+    ``last_observed`` False counts the past's last frame as generated (`generate_probe_frames`).
 
     Raises SamplingError when the pixel probes come in fewer than MIN_EVENTS events (checked before any window is
     generated)."""
@@ -327,7 +333,7 @@ def run_memory_probe_test(model, diffusion: PerFrameDiffusion, schedule: ARSched
                             f"episodes: fewer than {MIN_EVENTS} events, too few to measure memory (use more "
                             "episodes, or episodes that come back to places they saw)")
     frames = sorted({(p.e, p.t) for probes in sets.values() for p in probes})
-    gen = generate_probe_frames(model, diffusion, schedule, eps, frames, MODES, batch, seed, progress)
+    gen = generate_probe_frames(model, diffusion, schedule, eps, frames, MODES, batch, seed, progress, last_observed)
     real = torch.stack([eps[e]["video"][t] for e, t in frames])[:, None]  # (F, 1, C, H, W)
     scores = reference_scores(eps, frames, recent)
     for mode, fake in gen.items():
@@ -342,7 +348,8 @@ def run_memory_probe_test(model, diffusion: PerFrameDiffusion, schedule: ARSched
                   **{metric: {k: float(v[i]) for k, v in scores[metric].items()} for metric in scores}}
                  for i, (e, t) in enumerate(frames)]
     return {"episodes": len(eps), "stride": stride, "recent": recent, "window": schedule.window,
-            "steps": schedule.num_steps, "seed": seed, "sets": summary, "verdict": summary["pixel"]["message"],
+            "steps": schedule.num_steps, "seed": seed, "last_observed": last_observed, "sets": summary,
+            "verdict": summary["pixel"]["message"],
             "probes": per_probe}
 
 
@@ -385,7 +392,7 @@ def _verdict(s: dict[str, Any]) -> str:
 
 def memory_probe_test(run: str, data: str, episodes: int | None = None, stride: int = 1,
                       steps: int = SampleSettings.steps, seed: int = 0, batch: int = 32, device: str = "cpu",
-                      n_boot: int = 2000, progress: bool = True) -> dict[str, Any]:
+                      n_boot: int = 2000, progress: bool = True, last_observed: bool = True) -> dict[str, Any]:
     """Load a pose-aware run and its episodes, then ``run_memory_probe_test`` (see the module docstring)."""
     for flag, value in (("--stride", stride), ("--steps", steps), ("--batch", batch), ("--episodes", episodes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -397,12 +404,14 @@ def memory_probe_test(run: str, data: str, episodes: int | None = None, stride: 
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, steps)
     eps = load_episodes(data, episodes, cfg.model.image_size)
-    result = run_memory_probe_test(model, diffusion, schedule, eps, stride, batch, seed, n_boot, progress)
+    result = run_memory_probe_test(model, diffusion, schedule, eps, stride, batch, seed, n_boot, progress,
+                                   last_observed)
     return {"run": str(run), "data": str(data), **result}
 
 
 def _line(result: dict[str, Any]) -> str:
-    lines = [f"{result['episodes']} episodes, stride {result['stride']}, teacher-forced (ground-truth past):"]
+    flag = "" if result["last_observed"] else ", its last frame counted as generated"
+    lines = [f"{result['episodes']} episodes, stride {result['stride']}, teacher-forced (ground-truth past{flag}):"]
     for name, s in result["sets"].items():
         if s["too_few"]:
             lines.append(f"  {name}: {s['message']}")
@@ -424,10 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="output folder (default RUN/memory_probe_test)")
+    p.add_argument("--last-generated", action="store_true",
+                   help="count the past's last frame as generated: a copy_gate=observed run's gate stays off, as "
+                        "after a rollout's first window (default: observed, as the ground truth is)")
     args = p.parse_args(argv)
     try:
         result = memory_probe_test(args.run, args.data, args.episodes, args.stride, args.steps, args.seed,
-                                   args.batch, args.device)
+                                   args.batch, args.device, last_observed=not args.last_generated)
         out = Path(args.out or Path(args.run) / "memory_probe_test")
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "memory_probe_test.json", json.dumps(result, indent=1))
