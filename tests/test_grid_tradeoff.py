@@ -225,9 +225,10 @@ def test_memory_grid_labels_are_short_and_unique():
     configs = {lab.config for lab in labels.values() if lab.seed == "s1"}
     assert configs <= {lab.config for lab in labels.values() if lab.seed == "s0"}
     # a switch the main job has on reads only when a cell turns it off
-    off = [lab.label for lab in labels.values() if "-lastframe" in lab.label or "-advect" in lab.label]
-    assert off == ["pose k4 prepend -lastframe -advect s0", "time m6 prepend -lastframe -advect s0",
-                   "pose k4 prepend -advect s0"]
+    off = [lab.label for lab in labels.values() if "-lastframe" in lab.label or "-advect" in lab.label
+           or "-gate" in lab.label]
+    assert off == ["pose k4 prepend -lastframe -advect -gate s0", "time m6 prepend -lastframe -advect -gate s0",
+                   "pose k4 prepend -advect s0", "pose k4 prepend -gate s0"]
 
 
 def test_grid_cost_writes_a_well_formed_cost_csv(tmp_path):

@@ -15,7 +15,7 @@ between the cells appear. Known keys read as:
   ``ctx<level>`` (sample.context_level), ``+drop<p>`` (train.memory_dropout), ``hg<W>``
   (sample.history_guidance);
 - switches the main job has on, only when off: ``-lastframe`` (model.last_frame_input false), ``-advect``
-  (model.action_advection 0);
+  (model.action_advection 0), ``-gate`` (model.copy_gate off; its loss keys go with it and read as nothing);
 - ``train.seed`` last, as ``s<seed>``; the label without it is the cell's **configuration**, the unit over
   which ``pool_seeds`` averages;
 - any other varying key as ``<last part of the key><value>``, like the cell names.
@@ -42,7 +42,8 @@ MEMORY_PART_KEYS = ("memory.select", "sample.memory_select", "memory.pose_frames
 LEVERS = {"train.context_noise_max": "+noise", "sample.context_level": "ctx", "train.memory_dropout": "+drop",
           "sample.history_guidance": "hg"}
 #: Switches `tiny` has on: shown only when a cell turns them off, as this text.
-OFF_SWITCHES = {"model.last_frame_input": "-lastframe", "model.action_advection": "-advect"}
+OFF_SWITCHES = {"model.last_frame_input": "-lastframe", "model.action_advection": "-advect", "model.copy_gate": "-gate",
+                "train.copy_gate_loss": "", "train.copy_gate_detach": ""}
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def _fmt(value: Any) -> str:
 
 
 def _is_on(value: Any) -> bool:
-    return value not in (None, False, 0, 0.0, "", "none")
+    return value not in (None, False, 0, 0.0, "", "none", "off")
 
 
 def varying_keys(values: Iterable[Mapping[str, Any]]) -> list[str]:
@@ -103,7 +104,7 @@ def label_parts(values: Mapping[str, Any], varying: Iterable[str]) -> tuple[list
             if _is_on(v):
                 config.append(f"{LEVERS[key]}{_fmt(v)}")
         elif key in OFF_SWITCHES:
-            if not _is_on(v):
+            if not _is_on(v) and OFF_SWITCHES[key]:
                 config.append(OFF_SWITCHES[key])
         elif key == "schedule":
             config.append(str(v))

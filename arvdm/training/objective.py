@@ -188,8 +188,9 @@ def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor
     actions through the rows of `schedule` (a `chunked` schedule of window G: one AR step, K to 0; DDIM-eta
     transitions, noise from `generator`), as a chunked rollout's AR step does. Out: the
     diffusion-forcing clip (B, m+w) of the window with the memory it then has, actions (B, m+w) and the extras
-    ({"poses": (B, m+w, 3), "ages": (B, m)} with poses; "generated_last" below): with select=time the last m of [m memory + G generated]
-    frames; with select=pose the same k chosen frames (G older) and the last r of [r recent + G generated].
+    ({"poses": (B, m+w, 3), "ages": (B, m)} with poses; "generated_last" below): with select=time the last m of
+    [m memory + G generated] frames; with select=pose the same k chosen frames (G older) and the last r of
+    [r recent + G generated].
     `share` < 1: each clip keeps the generated frames with that probability (a draw per clip from `generator`,
     after the generation's; none when 1), the others the real G frames, as a rollout's first window has them.
     The extras also hold "generated_last" (B,) bool: the clips that took the generated frames (their last memory
