@@ -55,9 +55,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
                            num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
                            ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0,
-                           drop_memory: bool | None = None, copy_gate_loss: float = 0.0,
-                           advection_loss: float = ADVECTION_LOSS_WEIGHT, copy_gate_detach: bool = False,
-                           generated_last: torch.Tensor | None = None):
+                           drop_memory: bool | None = None, copy_gate_loss: float = 0.0, copy_gate_detach: bool = False,
+                           advection_loss: float = ADVECTION_LOSS_WEIGHT, generated_last: torch.Tensor | None = None):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -79,9 +78,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     rather than only through the v-MSE, whose pull on the gate fades as the gate opens. Nothing is added for a
     batch without memory (no last frame, no gate). model.copy_gate=observed: a random `OBSERVED_GATE_SHARE` of the
     clips get the gate (their last frame counts as observed, `MemoryFrames.last_observed`), the others the network
-    alone, as a rollout has it once a generated frame is the last one; the BCE only on the gated clips.
-    `generated_last` (B,) bool (`rollout_context`'s): clips whose last memory frame the model generated are never
-    gated, whatever the draw (the draw is still made, so the generator advances as without it).
+    alone, as a rollout has it once a generated frame is the last one; the BCE only on the gated clips
+    (`_gated_clips`; `generated_last` from `rollout_context`: those clips are never gated).
     `copy_gate_detach` (needs λ > 0): the v-MSE is taken on the network's own v̂, before the gate
     (`copy_gate.own_v`), so the network trains exactly as one without a gate and the gate learns from the BCE
     alone; the gate then composites the best share of the last frame onto an x̂0 that does not lean on it.
@@ -104,11 +102,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     logit, advected, on = None, None, None
     core = unwrap(model)
     advect = advection_loss > 0 and getattr(core, "advection", None) is not None
-    if mem is not None and getattr(core, "gate_on_embed", None) is not None:  # copy_gate=observed: (B,) gated clips
-        on = torch.rand((b,), generator=generator, device=generator.device).to(x0.device) < OBSERVED_GATE_SHARE
-        if generated_last is not None:  # rollout-trained clips: the model's own last frame is not an observed one
-            on = on & ~generated_last.to(on.device)
-        mem.last_observed = on
+    if mem is not None and getattr(core, "gate_on_embed", None) is not None:  # copy_gate=observed
+        on = mem.last_observed = _gated_clips(b, generator, x0.device, generated_last)  # (B,) bool
     with autocast():
         extra = {"return_gate": True} if copy_gate_loss > 0 else {}
         if advect:  # asked only when used: a plain model is called exactly as before
@@ -175,6 +170,15 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
 
 
 @torch.no_grad()
+def _gated_clips(b: int, generator: torch.Generator, device: torch.device,
+                 generated_last: torch.Tensor | None = None) -> torch.Tensor:
+    """model.copy_gate=observed: which of the b clips count their last frame as observed (gated), (B,) bool: a
+    share `OBSERVED_GATE_SHARE`, one (B,) draw. `generated_last` (B,) bool: clips whose last memory frame the model
+    generated (`rollout_context`) are never gated, whatever the draw (still made: the generator advances alike)."""
+    on = torch.rand((b,), generator=generator, device=generator.device).to(device) < OBSERVED_GATE_SHARE
+    return on if generated_last is None else on & ~generated_last.to(device)
+
+
 def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int, recent: int,
                     schedule: ARSchedule, generator: torch.Generator, autocast=contextlib.nullcontext,
                     eta: float = 1.0, poses: torch.Tensor | None = None, ages: torch.Tensor | None = None,
