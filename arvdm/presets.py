@@ -45,7 +45,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model.action_advection": 10,
         # a gate that copies the last observed frame where the scene is still, trained by its own BCE to the better
         # of copying and the network (the v-MSE detached from it): first 4 generated frames of fresh random-action
-        # episodes +2.1 to +2.3 dB over the main job before it, above copy-last (benchmarks/RESULTS.md)
+        # episodes +2.1 to +2.3 dB over the main job before it, above copy-last in the mean (benchmarks/RESULTS.md)
         "model.copy_gate": "observed", "train.copy_gate_loss": 0.02, "train.copy_gate_detach": True,
     },
     # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):

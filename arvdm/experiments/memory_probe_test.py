@@ -349,8 +349,7 @@ def run_memory_probe_test(model, diffusion: PerFrameDiffusion, schedule: ARSched
                  for i, (e, t) in enumerate(frames)]
     return {"episodes": len(eps), "stride": stride, "recent": recent, "window": schedule.window,
             "steps": schedule.num_steps, "seed": seed, "last_observed": last_observed, "sets": summary,
-            "verdict": summary["pixel"]["message"],
-            "probes": per_probe}
+            "verdict": summary["pixel"]["message"], "probes": per_probe}
 
 
 def summarise_set(scores: dict[str, dict[str, np.ndarray]], probes: list[TFProbe], index: dict[tuple[int, int], int],
