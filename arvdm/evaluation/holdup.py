@@ -38,6 +38,9 @@ from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, chec
 
 __all__ = ["context_views", "hold_up", "hold_up_horizon", "span_differences"]
 
+#: The generated frames `context_views` splits by default (0-based, end exclusive): frames 17-64, issue 21's span.
+VIEWS_SPAN = (16, 64)
+
 
 def _curves(model: Any, base: Any, name: str) -> tuple[Tensor, Tensor]:
     """Both curves as (B, N) float64 of the same shape, or a clear error."""
@@ -97,9 +100,9 @@ def span_differences(model: Any, base: Any, span: int = 16, n_boot: int = 1000, 
     return out
 
 
-def context_views(gen: Tensor, real: Tensor, context: int, poses: Tensor, start: int = 16, end: int = 64,
-                  pos_tol: float = DEFAULT_POS_TOL, heading_tol: float = DEFAULT_HEADING_TOL, n_boot: int = 1000,
-                  seed: int = 0, psnr_cap: float = PSNR_CAP) -> dict[str, Any] | None:
+def context_views(gen: Tensor, real: Tensor, context: int, poses: Tensor, start: int = VIEWS_SPAN[0],
+                  end: int = VIEWS_SPAN[1], pos_tol: float = DEFAULT_POS_TOL, heading_tol: float = DEFAULT_HEADING_TOL,
+                  n_boot: int = 1000, seed: int = 0, psnr_cap: float = PSNR_CAP) -> dict[str, Any] | None:
     """Generated frames [start, end) split by whether a context frame shows their view; model minus context-mean
     on each part.
 
@@ -173,6 +176,6 @@ def hold_up(gen: Tensor, real: Tensor, context: int, span: int = 16, n_boot: int
               "psnr_minus": {kind: span_differences(model, base[kind], span, n_boot, seed) for kind in BASELINES},
               "gradient_ratio_by_span": gradient_ratio_by_span(gen, target, span)}
     if poses is not None:
-        report["context_views"] = _split_by_context_views(model, base["context_mean"], context, poses, 16, 64,
+        report["context_views"] = _split_by_context_views(model, base["context_mean"], context, poses, *VIEWS_SPAN,
                                                           DEFAULT_POS_TOL, DEFAULT_HEADING_TOL, n_boot, seed)
     return report
