@@ -41,6 +41,7 @@ RECORD_WRITES = textwrap.dedent("""
 # Runs train.py's main() in each rank (sample videos recorded too); after fit() every rank writes its final
 # weights to FINAL_DIR/rank<r>.safetensors.
 LAUNCHER = RECORD_WRITES + textwrap.dedent("""
+    import torch
     from safetensors.torch import save_file
     from arvdm.model.checkpoint import state_dict_for_safetensors
 
@@ -54,8 +55,13 @@ LAUNCHER = RECORD_WRITES + textwrap.dedent("""
         return last
     T.Trainer.fit = fit_and_dump
     sys.path.insert(0, os.environ["REPO"])
-    import train
-    sys.exit(train.main(sys.argv[1:]))
+    import gc, train
+    code = train.main(sys.argv[1:])
+    # no DDP wrapper may outlive the process group: freed at interpreter shutdown, gloo can abort the rank
+    alive = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+    with open(os.path.join(os.environ["FINAL_DIR"], "ddp_alive_rank" + os.environ["RANK"]), "w") as f:
+        f.write(str(alive))
+    sys.exit(code)
 """)
 
 
@@ -87,6 +93,7 @@ def test_torchrun_two_cpu_ranks(tmp_path, grad_accum, memory):
     assert r0.keys() == r1.keys() == ckpt.keys()
     for k in r0:
         assert torch.equal(r0[k], r1[k]) and torch.equal(r0[k], ckpt[k]), k
+    assert [(tmp_path / "final" / f"ddp_alive_rank{r}").read_text() for r in (0, 1)] == ["0", "0"]
     # Only rank 0 wrote: checkpoints at steps 2 and 4, one log, one sample video.
     assert sorted(p.name for p in (tmp_path / "writes").iterdir()) == ["rank0"]
     assert sorted((tmp_path / "writes/rank0").read_text().split()) == ["checkpoint", "checkpoint", "log", "sample"]

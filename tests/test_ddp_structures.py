@@ -38,7 +38,7 @@ if not torch.distributed.is_available():
 # Both ranks train every configuration of the matrix for two steps and all-gather their flattened weights.
 # Every function that writes run outputs first notes which rank called it (one file per rank).
 MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
-    import json
+    import gc, json
     import torch, torch.distributed as dist
     from arvdm.config import apply_overrides, get_preset
     from arvdm.training.distributed import cleanup_distributed, setup_distributed
@@ -52,15 +52,18 @@ MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
         trainer = T.Trainer(cfg, os.path.join(out, f"run{i}"), dist_info=info)
         start = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         trainer.fit()
+        trainer.close()
         flat = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         both = [torch.empty_like(flat) for _ in range(info.world_size)]
         dist.all_gather(both, flat)
         results.append({"config": extra, "identical": bool(torch.equal(both[0], both[1])),
                         "moved": float((flat - start).abs().max())})
+    cleanup_distributed()
+    # a DDP wrapper left alive holds the freed group until interpreter shutdown, where gloo can abort
+    ddp_alive = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
     if info.is_main:
         with open(os.path.join(out, "results.json"), "w") as f:
-            json.dump(results, f)
-    cleanup_distributed()
+            json.dump({"matrix": results, "ddp_alive": ddp_alive}, f)
 """)
 
 # train.py's main() in each rank; rank DIE_RANK kills (SIGKILL) or freezes (SIGSTOP) itself at step DIE_AT.
@@ -141,7 +144,9 @@ def test_ddp_every_structure_and_compressor_keeps_ranks_identical(tmp_path):
     outputs = [p.communicate(timeout=900) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
 
-    results = json.loads((tmp_path / "out/results.json").read_text())
+    written = json.loads((tmp_path / "out/results.json").read_text())
+    assert written["ddp_alive"] == 0, "a DDP wrapper outlived cleanup_distributed (Trainer.close not called)"
+    results = written["matrix"]
     assert [r["config"] for r in results] == MATRIX
     for r in results:
         assert r["identical"], f"{r['config']}: ranks' weights differ after 2 DDP steps"

@@ -163,6 +163,11 @@ class Trainer:
         device = self.device
         self.autocast = (lambda: bf16_autocast(device)) if tc.bf16 and native_bf16(device) else contextlib.nullcontext
 
+    def close(self) -> None:
+        """Drop the DDP wrapper, whose reducer holds the process group, so `cleanup_distributed` can free it."""
+        if isinstance(self.net, torch.nn.parallel.DistributedDataParallel):
+            self.net = self.net.module
+
     # -- one step ------------------------------------------------------------------------------------
     def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,6 +459,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *, gene
     if cfg.train.cpu_ranks > 1 and not info.enabled and info.device.type == "cpu":
         warnings.warn(f"train.cpu_ranks={cfg.train.cpu_ranks} is launched by train.py's command line; this call "
                       f"trains in one process at batch {cfg.train.batch_size}", stacklevel=2)
+    trainer = None
     try:
         if generate_data and not (resume and _found_elsewhere(cfg, run_dir)):
             if info.local_rank == 0:
@@ -467,6 +473,8 @@ def train(cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *, gene
             raise lost from e
         raise
     finally:
+        if trainer is not None:
+            trainer.close()
         cleanup_distributed()
 
 
