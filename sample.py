@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None, help="ground-truth frames to condition on")
     p.add_argument("--episodes", type=int, default=4, help="validation episodes to roll out")
     p.add_argument("--batch-size", type=int, default=4,
-                   help="episodes per rollout batch; the noise generator runs on across batches, so samples depend on it (docs/sampling.md)")
+                   help="episodes per rollout batch; the noise generator runs on across batches, "
+                        "so samples depend on it (docs/sampling.md)")
     p.add_argument("--eta", type=float, default=None,
                    help="0 = DDIM, 1 = DDPM-like (default: the run's diffusion.eta, 1 for the presets)")
     p.add_argument("--context-level", type=int, default=None, metavar="K",
