@@ -82,6 +82,18 @@ def test_time_clip_with_fewer_generated_frames_than_memory_keeps_the_newest_real
     assert torch.equal(new_actions, actions[:, [1, 2, 3, 4, 5, 6]])
 
 
+def test_generation_builds_no_autograd_graph():
+    """The generated context is data for the window's loss: no gradient flows back through its generation."""
+    m, g, w = 2, 1, 4
+    video, actions, _ = clip(m + g + w, seed=1)
+    d = dif()
+    scale = torch.nn.Parameter(torch.ones(()))
+    known = KnownX0(d)
+    new_video, _, _ = rollout_context(lambda *a, **k: scale * known(*a, **k), d, video, actions, m, m,
+                                      chunked(g, K, 3), torch.Generator())
+    assert not new_video.requires_grad and new_video.grad_fn is None
+
+
 def test_generation_draws_from_the_given_generator_only():
     m, g, w = 2, 2, 4
     video, actions, _ = clip(m + g + w, seed=2)

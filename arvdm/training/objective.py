@@ -169,7 +169,6 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
     return memory_frames(frames, actions, poses, ages, levels, last)
 
 
-@torch.no_grad()
 def _gated_clips(b: int, generator: torch.Generator, device: torch.device,
                  generated_last: torch.Tensor | None = None) -> torch.Tensor:
     """model.copy_gate=observed: which of the b clips count their last frame as observed (gated), (B,) bool: a
@@ -179,6 +178,7 @@ def _gated_clips(b: int, generator: torch.Generator, device: torch.device,
     return on if generated_last is None else on & ~generated_last.to(device)
 
 
+@torch.no_grad()
 def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int, recent: int,
                     schedule: ARSchedule, generator: torch.Generator, autocast=contextlib.nullcontext,
                     eta: float = 1.0, poses: torch.Tensor | None = None, ages: torch.Tensor | None = None,
