@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None, help="ground-truth frames to condition on")
     p.add_argument("--episodes", type=int, default=4, help="validation episodes to roll out")
     p.add_argument("--batch-size", type=int, default=4,
-                   help="episodes per rollout batch; the noise generator runs on across batches, "
-                        "so samples depend on it (docs/sampling.md)")
+                   help="episodes per rollout batch (speed only: each episode has its own noise generator, "
+                        "seeded by --seed and its index; docs/sampling.md)")
     p.add_argument("--eta", type=float, default=None,
                    help="0 = DDIM, 1 = DDPM-like (default: the run's diffusion.eta, 1 for the presets)")
     p.add_argument("--context-level", type=int, default=None, metavar="K",
@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "diffusion.context_level for a preset schedule, 20 for tiny; a schedule file's own)")
     p.add_argument("--history-guidance", type=float, default=0.0, metavar="W",
                    help="v = v_mem + W (v_mem - v_nomem) (history guidance, DFoT); 0 = off, one model call per row")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="noise seed (episode e draws from its own generator, "
+                   "seeded by (seed, e))")
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
     p.add_argument("--split", default="validation", choices=["validation", "training"],
                    help="which split of the data folder to roll out (default validation; e.g. training of a "

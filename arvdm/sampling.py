@@ -45,7 +45,7 @@ from arvdm.evaluation.revisit_score import revisit_score
 from arvdm.hybrid.convert import HybridModel, wrap_for_sampling
 from arvdm.model.checkpoint import resolve_data_path
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.rollout import rollout
+from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
@@ -134,8 +134,9 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
                       actions: torch.Tensor, context: int, settings: SampleSettings, device: torch.device,
                       poses: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, list[Speculation], list[dict[str, Any]]]:
-    """Roll out every episode in batches from its first ``context`` frames with its own actions (one generator
-    seeded ``settings.seed`` for all batches, in order). Returns the generated frames (N, n_gen, C, H, W)
+    """Roll out every episode in batches from its first ``context`` frames with its own actions (one generator per
+    episode, seeded by (``settings.seed``, episode index): an episode's rollout does not depend on the batch size).
+    Returns the generated frames (N, n_gen, C, H, W)
     float on the CPU and, with ``settings.speculate``, each batch's :class:`Speculation` and report. ``poses``
     (N, T, 3) go to pose-aware models, which choose memory by them (``settings.memory_select``)."""
     if cfg.memory.select == "pose" and poses is None:
@@ -144,7 +145,6 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
     n_gen = real.shape[1] - context
     diffusion = PerFrameDiffusion(cfg.diffusion)
     draft_model = _load_draft(settings, cfg, schedule, device) if settings.speculate else None
-    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
     fakes, specs, reports = [], [], []
     for i in range(0, real.shape[0], settings.batch_size):
         r, a = real[i:i + settings.batch_size].to(device), actions[i:i + settings.batch_size].to(device)
@@ -152,7 +152,8 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
         t0 = time.perf_counter()
         p = poses[i:i + settings.batch_size].to(device) if poses is not None else None
         gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
-                      eta=settings.eta, generator=generator, use_cache=settings.use_cache,
+                      eta=settings.eta, generator=episode_generators(settings.seed, range(i, i + r.shape[0])),
+                      use_cache=settings.use_cache,
                       progress=settings.progress, rows=None if spec is None else SpeculativeRows(spec),
                       poses=p if cfg.memory.select == "pose" else None,
                       memory_select=settings.memory_select,

@@ -103,6 +103,16 @@ def test_the_other_rollout_differs_from_own_only_by_its_actions():
     assert torch.equal(out["real"], real[:, 4:])
 
 
+def test_an_episodes_rollouts_do_not_depend_on_the_batch_size():
+    """One generator per episode and kind: batches of 2 + 1 and one batch of 3 give the same rollouts."""
+    model, cfg = _model()
+    real, actions = _episodes()
+    twos = at.run_action_test(model, cfg, real, actions, context=4, steps=3, batch_size=2, progress=False)
+    three = at.run_action_test(model, cfg, real, actions, context=4, steps=3, batch_size=3, progress=False)
+    for kind in ("own", "noise", "other"):
+        torch.testing.assert_close(twos[kind], three[kind], rtol=0, atol=1e-5)
+
+
 def test_other_actions_change_the_rollout():
     model, cfg = _model()
     real, actions = _episodes()

@@ -8,7 +8,7 @@ from arvdm.config import Config, DiffusionConfig, SamplingError
 from arvdm.model.denoiser import Denoiser
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline import PlainRows, RolloutContext, RolloutModel
-from arvdm.pipeline.rollout import rollout
+from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.schedules.presets import chunked, fifo, from_matrix, pyramid
 
 K = 100
@@ -162,6 +162,30 @@ def test_deterministic_given_the_generator_and_eta_draws_noise():
     assert torch.equal(a, b)
     assert not torch.allclose(a, run(StubModel(), sched, seed=2, eta=0.5))
     assert not torch.allclose(a, run(StubModel(), sched, seed=1, eta=0.0))
+
+
+def test_per_sample_generators_make_a_sample_independent_of_its_batch():
+    """One generator per sample (episode_generators): a sample rolled out alone equals the same sample inside a
+    batch, for every kind of draw (the initial window, entering frames, eta > 0 steps, noisy-context commits)."""
+    model, sched = tiny_denoiser(), fifo(4, K, 1).with_context_level(20)
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.rand(3, 2, 3, 16, 16, generator=g) * 2 - 1
+    ctx_act, act = torch.randint(0, 6, (3, 2), generator=g), torch.randint(0, 6, (3, 5), generator=g)
+
+    def go(idx, **kw):
+        return rollout(model, DIFF, sched, ctx[idx], ctx_act[idx], act[idx], 5, eta=0.5, progress=False, **kw)
+
+    batch = go(slice(0, 3), generator=episode_generators(7, range(3)))  # (3, 5, 3, 16, 16)
+    alone = torch.cat([go(slice(e, e + 1), generator=episode_generators(7, [e])) for e in range(3)])
+    torch.testing.assert_close(batch, alone, rtol=0, atol=1e-5)
+    pair = go(slice(1, 3), generator=episode_generators(7, [1, 2]))  # a batch that starts at episode 1
+    torch.testing.assert_close(pair, batch[1:], rtol=0, atol=1e-5)
+    # one generator for the batch draws the samples' noise interleaved: episode 1 alone is then another sample
+    shared = go(slice(0, 3), generator=torch.Generator().manual_seed(7))
+    assert (shared[1:2] - go(slice(1, 2), generator=torch.Generator().manual_seed(7))).abs().max() > 1e-2
+    assert (episode_generators(7, [1])[0].initial_seed() != episode_generators(8, [1])[0].initial_seed())
+    with pytest.raises(SamplingError, match="2 per-sample generators for a batch of 3"):
+        go(slice(0, 3), generator=episode_generators(7, range(2)))
 
 
 def test_return_intermediate_records_every_call():

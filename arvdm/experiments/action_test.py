@@ -45,7 +45,7 @@ from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import paired_difference
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.rollout import rollout
+from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.schedules.presets import get_schedule
 from data.atomic import atomic_write_text
@@ -104,7 +104,7 @@ def run_action_test(model: Any, cfg: Any, real: torch.Tensor, actions: torch.Ten
         for kind, acts, s in kinds:
             a = acts[i:i + batch_size]
             gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
-                          generator=torch.Generator().manual_seed(s * 100_003 + i), progress=False,
+                          generator=episode_generators(s, range(i, i + r.shape[0])), progress=False,
                           poses=p if cfg.memory.select == "pose" else None)  # (b, n_gen, C, H, W)
             out[kind].append(gen.float().cpu())
     return {**{k: torch.cat(v) for k, v in out.items()}, "real": real[:, context:].float(),

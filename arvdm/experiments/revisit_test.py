@@ -33,7 +33,7 @@ from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import paired_difference, psnr_matrix
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.rollout import rollout
+from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.schedules.presets import get_schedule
 from data.atomic import atomic_write_text
@@ -96,7 +96,7 @@ def look_around_test(run: str, data: str, episodes: int = 24, steps: int = 20, s
         real = video[:, c:c + n]  # (2, N, C, H, W): the second turn
         for mode in MODES:
             gen = rollout(model, diffusion, schedule, video[:, :c], actions[:, :c], actions[:, c:], n, poses=poses,
-                          memory_select=mode, generator=torch.Generator().manual_seed(seed + i), progress=False)
+                          memory_select=mode, generator=episode_generators(seed, (i, i + 1)), progress=False)
             per[mode] += psnr_per_frame(gen.float(), real).clamp(max=PSNR_CAP).tolist()
         per["copy_last"] += psnr_per_frame(video[:, c - 1:c].expand_as(real), real).clamp(max=PSNR_CAP).tolist()
         for b in range(2):  # oracle: each generated frame's best match among the first turn's frames

@@ -35,23 +35,26 @@ model call per row; ``arvdm.speculative.rows.SpeculativeRows`` speculates them).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from arvdm.config import SamplingError, check_eta, check_guidance
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout_model import RolloutModel
-from arvdm.pipeline.rows import PlainRows, RolloutContext, RolloutStep, RowRunner
+from arvdm.pipeline.rows import Generators, PlainRows, RolloutContext, RolloutStep, RowRunner
 from arvdm.schedules.matrix import ARSchedule, check_context_level
 from memory import make_bank
 
-__all__ = ["rollout"]
+__all__ = ["rollout", "episode_generators"]
 
 
 @torch.no_grad()
 def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSchedule, context: torch.Tensor,
             context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, *, eta: float | None = None,
-            generator: torch.Generator | None = None, use_cache: bool = True, progress: bool = True,
+            generator: Generators = None, use_cache: bool = True, progress: bool = True,
             return_intermediate: bool = False, rows: RowRunner | None = None, poses: torch.Tensor | None = None,
             memory_select: str | None = None, context_level: int | None = None, history_guidance: float = 0.0
             ) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
@@ -72,7 +75,9 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
         eta: 0 = DDIM (deterministic given the initial noise), 1 = DDPM-like; None = the diffusion's own
             ``diffusion.cfg.eta`` (the run's sampling eta).
         generator: the source of all noise (initial window, entering frames, eta > 0 steps), drawn in a
-            fixed order, so a rollout is reproducible from the generator's seed.
+            fixed order, so a rollout is reproducible from the generator's seed: one ``torch.Generator`` for the
+            batch, or a sequence of B, one per sample (:func:`episode_generators`), so that each sample's noise, and
+            so the sample, does not depend on which batch it is rolled out in.
         use_cache: True = the model's KV cache (``state``); False = recompute the memory at every call.
         progress: a tqdm bar over frames.
         return_intermediate: also return one :class:`RolloutStep` per model call (plain rows only: a
@@ -96,6 +101,9 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.
     """
     b, n_ctx = _check_inputs(context, context_actions, actions, n_frames)
+    if isinstance(generator, (list, tuple)) and len(generator) != b:
+        raise SamplingError(f"rollout generator: {len(generator)} per-sample generators for a batch of {b} "
+                            f"(give one per sample, or a single torch.Generator)")
     eta = check_eta(diffusion.cfg.eta if eta is None else eta, "rollout eta", SamplingError)
     k_ctx = schedule.context_level if context_level is None else check_context_level(
         context_level, schedule.num_levels, "rollout context_level")
@@ -123,6 +131,14 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     video = _run_schedule(ctx, runner, schedule, _window_actions(actions, schedule, n_frames, context.device),
                           n_frames, context.shape[2:], progress, win_poses)  # (B, n_frames, ch, H, W)
     return (video, ctx.record) if return_intermediate else video
+
+
+def episode_generators(seed: int, episodes: Iterable[int], device: str | torch.device = "cpu"
+                       ) -> list[torch.Generator]:
+    """One generator per episode, seeded by (``seed``, episode index) only: rolled out with these, episode e gets the
+    same noise whatever batch it is in and whatever the batch size (``rollout(generator=...)``)."""
+    return [torch.Generator(device=device).manual_seed(
+        int(np.random.SeedSequence([int(seed), int(e)]).generate_state(1)[0])) for e in episodes]
 
 
 def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, acts: torch.Tensor, n_frames: int,

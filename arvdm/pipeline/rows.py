@@ -21,6 +21,7 @@ Two error-accumulation levers live in the context, so every runner gets them thr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -30,7 +31,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout_model import RolloutModel
 from memory import MemoryBank, PoseBank
 
-__all__ = ["RolloutStep", "RolloutContext", "RowRunner", "PlainRows"]
+__all__ = ["Generators", "RolloutStep", "RolloutContext", "RowRunner", "PlainRows"]
 
 
 class RolloutStep(NamedTuple):
@@ -52,9 +53,17 @@ class RolloutStep(NamedTuple):
     x0: torch.Tensor
 
 
-def _standard_normal(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """Standard normal noise from ``generator`` (drawn on the generator's device, then moved)."""
+Generators = torch.Generator | Sequence[torch.Generator] | None
+"""A rollout's noise source: one generator for the whole batch, one per sample (a sample's noise then does not
+depend on the batch it is rolled out in), or None (torch's global generator)."""
+
+
+def _standard_normal(shape: tuple[int, ...], generator: Generators, device: torch.device,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Standard normal noise of ``shape`` (batch first) from ``generator`` (drawn on the generator's device, then
+    moved); with one generator per sample, sample i's part comes from generator i."""
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([_standard_normal(shape[1:], g, device, dtype) for g in generator])  # (B, *shape[1:])
     gdev = generator.device if generator is not None else device
     return torch.randn(shape, generator=generator, device=gdev, dtype=dtype).to(device)
 
@@ -73,7 +82,7 @@ class RolloutContext:
     model: RolloutModel
     diffusion: PerFrameDiffusion
     eta: float
-    generator: torch.Generator | None
+    generator: Generators
     batch_size: int
     device: torch.device
     dtype: torch.dtype
@@ -85,7 +94,7 @@ class RolloutContext:
     history_guidance: float = 0.0
 
     def noise(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """The next standard normal draw of the rollout's generator."""
+        """The next standard normal draw of the rollout's generator(s), ``shape`` batch first."""
         return _standard_normal(shape, self.generator, self.device, self.dtype)
 
     def predict(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
