@@ -20,9 +20,11 @@ import torch
 from arvdm.config import apply_overrides, get_preset
 from arvdm.evaluation.pareto import plot_tradeoff
 from arvdm.evaluation.revisit_score import revisit_score
+from arvdm.experiments.cells import GridError
 from arvdm.experiments.cli import main as experiments_main
 from arvdm.experiments.grid import load_grid
 from arvdm.experiments.labels import cell_labels, pool_seeds
+from arvdm.experiments.paired import paired_rows
 from arvdm.experiments.report import write_report
 from arvdm.experiments.results import collect_results
 from arvdm.experiments.tradeoff import eval_poses, read_rollout
@@ -80,11 +82,13 @@ def hold_up(psnr_minus_ctx: float, grad: float) -> dict:
             "psnr_minus": {"context_mean": spans, "copy_last": spans}}
 
 
-def write_cell(out: Path, name: str, values: dict, *, d: int, decay: float, data: Path | None) -> None:
-    """cell.json, eval.json (with the cell's own revisits and hold_up) and rollout.npz of one finished cell."""
+def write_cell(out: Path, name: str, values: dict, *, d: int, decay: float, data: Path | None,
+               run: str | None = None) -> None:
+    """cell.json, eval.json (with the cell's own revisits and hold_up) and rollout.npz of one finished cell
+    (trained as run ``run``, default its own name)."""
     cell = out / "cells" / name
     cell.mkdir(parents=True)
-    (cell / "cell.json").write_text(json.dumps({"name": name, "train_run": name, "values": values,
+    (cell / "cell.json").write_text(json.dumps({"name": name, "train_run": run or name, "values": values,
                                                 "sample": {"context": CONTEXT}}))
     spans = [{"label": "0-16", "mean": 20.0, "n": 16}, {"label": "16-32", "mean": 20.0 - decay, "n": 16}]
     ev = {"psnr_by_span": spans, "ssim_by_span": spans, "max_psnr_decay": decay, "retrieval_by_span": [],
@@ -182,6 +186,35 @@ def test_frontiers_and_a_report_without_cost_csv(tmp_path):
     (out / "cost.csv").write_text("cell,seconds\nx,1\n")
     with pytest.raises(ValueError, match="cost.csv: not a table written by benchmarks/grid_cost.py"):
         collect_results(out)
+
+
+def test_cells_are_paired_probe_by_probe(tmp_path):
+    """Cells sharing a run are paired automatically (the run's first cell as a), others with --pair; a - b on each
+    probe is the known 20 log10(20 / 10) dB when a draws the view 10 levels off and b 20 levels off."""
+    out = fake_grid(tmp_path)
+    write_cell(out, "pose6-s0-time", memory_values("pose", 6, 4, 0, **{"sample.memory_select": "time"}), d=20,
+               decay=1.0, data=tmp_path / "fresh", run="pose6-s0")
+    write_report(out, quiet=True, pairs=[("time6-s0", "time3-s0")])
+    labels = {r["name"]: r["label"] for r in collect_results(out)}
+    rows = list(csv.DictReader(open(out / "paired.csv", newline="")))
+    assert [(r["a"], r["b"]) for r in rows] == [(labels["pose6-s0"], labels["pose6-s0-time"]),
+                                                (labels["time6-s0"], labels["time3-s0"])]
+    same, named = rows
+    assert float(same["difference"]) == pytest.approx(gain_db(10) - gain_db(20), abs=1e-6)
+    assert float(same["lo"]) == pytest.approx(float(same["hi"]), abs=1e-9)  # every probe differs by the same
+    assert (same["probes"], same["events"], same["verdict"]) == (str(len(RETURNS) * EPISODES),
+                                                                 str(len(RETURNS) * EPISODES), "a > b")
+    assert float(named["difference"]) == 0.0 and named["verdict"] == "no difference shown"
+    md = (out / "results.md").read_text()
+    assert "## Paired on the same probes (a - b)" in md and "1 of 1" in md  # the pooled row: above 0 in 1 seed of 1
+    with pytest.raises(GridError, match="--pair 'nope': no such cell"):
+        write_report(out, quiet=True, pairs=[("nope", "time3-s0")])
+    assert experiments_main(["report", "--out", str(out), "--pair", "nope", "time3-s0"]) == 2
+    # cells scored on other probes cannot be paired
+    a = {r["name"]: r for r in collect_results(out)}
+    moved = dict(a["time3-s0"], _revisit_probes=dict(a["time3-s0"]["_revisit_probes"], t=[0] * 15))
+    with pytest.raises(GridError, match="not scored on the same probes"):
+        paired_rows([(a["time6-s0"], moved)])
 
 
 def test_labels_from_config_keys_and_seeds_pooled():

@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--recent", type=int, help="recent frames of the common revisit score (default: the grid's "
                                                 "smallest memory.length)")
     rep.add_argument("--data", help="folder of the evaluation episodes (default: found from eval.json's settings)")
+    rep.add_argument("--pair", nargs=2, action="append", default=[], metavar=("A", "B"),
+                     help="also compare cells A and B (labels or names) probe by probe, A - B (paired.md); cells "
+                          "that share a training run are paired anyway")
     for q in (run, rep):
         q.add_argument("--paper-reference", dest="paper_reference", action="store_true", default=None,
                        help="overlay the paper's numbers on the plots")
@@ -64,7 +67,8 @@ def _run(args: argparse.Namespace) -> dict | None:
             raise GridError(f"--recent {args.recent}: must be an integer >= 1 (frames the model sees directly)")
         if args.data is not None and not Path(args.data).is_dir():
             raise GridError(f"--data {args.data}: folder does not exist")
-        write_report(out, grid, paper_reference=args.paper_reference, recent=args.recent, data_root=args.data)
+        write_report(out, grid, paper_reference=args.paper_reference, recent=args.recent, data_root=args.data,
+                     pairs=[tuple(p) for p in args.pair])
         return None
     return run_grid(grid, out, only=args.only, dry_run=args.dry_run, device=args.device,
                     fail_fast=args.fail_fast)

@@ -1,16 +1,17 @@
 """The report of an experiment grid: results tables, the plots and a results.md that shows them.
 
     from arvdm.experiments.report import write_report
-    write_report("experiments/memory")   # results.csv/.md, results_pooled.csv/.md, pareto_gain.png, pareto_cost.png
-                                         # (with OUT/cost.csv), error_accumulation.png, retrieval_by_span.png,
-                                         # pareto.png/.csv, from OUT/cells/*
+    write_report("experiments/memory")   # results.csv/.md, results_pooled.csv/.md, paired.csv/.md, pareto_gain.png,
+                                         # pareto_cost.png (with OUT/cost.csv), error_accumulation.png,
+                                         # retrieval_by_span.png, pareto.png/.csv, from OUT/cells/*
 
 The rows come from ``arvdm.experiments.results.collect_results``; the tables, plots and Pareto frontiers are
 ``arvdm.evaluation.tables`` / ``plots`` / ``pareto``, the labels and the seeds pooled per configuration
 ``arvdm.experiments.labels``, and the paper's overlay numbers ``arvdm.experiments.paper``. results.md leads with
-the memory trade-off (revisit gain vs error accumulation vs cost per frame), then the table pooled over seeds,
-the plots, and last the table of every column. Every file is written atomically; running it again rewrites
-them all from the cell folders, so a report can be refreshed while a grid runs.
+the memory trade-off (revisit gain vs error accumulation vs cost per frame), then the table pooled over seeds, the
+cells compared probe by probe (``arvdm.experiments.paired``), the plots, and last the table of every column.
+Every file is written atomically; running it again rewrites them all from the cell folders, so a report can be
+refreshed while a grid runs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ from arvdm.evaluation.plots import plot_error_accumulation, plot_retrieval_by_sp
 from arvdm.evaluation.tables import markdown_table, write_results_table
 from arvdm.experiments.cells import Grid
 from arvdm.experiments.labels import pool_seeds
+from arvdm.experiments.paired import (
+    PAIRED_COLUMNS,
+    PAIRED_NOTE,
+    POOLED_PAIR_COLUMNS,
+    named_pairs,
+    paired_rows,
+    pool_pairs,
+    same_weight_pairs,
+)
 from arvdm.experiments.paper import paper_reference
 from arvdm.experiments.results import cells_for_report, collect_results
 from data.atomic import atomic_write_text
@@ -138,8 +148,8 @@ def _plots(out: Path, done: Sequence[Mapping[str, Any]], with_paper: bool) -> di
 
 
 def _results_md(title: str, rows: Sequence[Mapping[str, Any]], pooled: Sequence[Mapping[str, Any]], table: str,
-                paths: Mapping[str, Path]) -> str:
-    """results.md: the trade-off table, the seeds pooled, the plots, then the full table."""
+                paths: Mapping[str, Path], paired: Sequence[Mapping[str, Any]] = ()) -> str:
+    """results.md: the trade-off table, the seeds pooled, the paired comparisons, the plots, then the full table."""
     counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "failed", "pending")}
     recent = next((r["revisit_recent"] for r in rows if r.get("revisit_recent") is not None), None)
     lines = [f"# Experiment results: {title}", "",
@@ -150,6 +160,9 @@ def _results_md(title: str, rows: Sequence[Mapping[str, Any]], pooled: Sequence[
              TRADEOFF_NOTE.format(recent=f"recent = {recent}" if recent is not None else "recent"), "",
              markdown_table(rows, TRADEOFF_COLUMNS), "## Seeds pooled (mean over seeds; per-seed values beside)",
              "", markdown_table(pooled, POOLED_TABLE)]
+    if paired:
+        lines += ["## Paired on the same probes (a - b)", "", PAIRED_NOTE, "", markdown_table(paired, PAIRED_COLUMNS),
+                  "Seeds pooled:", "", markdown_table(pool_pairs(paired), POOLED_PAIR_COLUMNS)]
     for key, name in PLOT_CAPTIONS:
         if key in paths:
             lines += [f"![{name}]({paths[key].name})", ""]
@@ -158,9 +171,10 @@ def _results_md(title: str, rows: Sequence[Mapping[str, Any]], pooled: Sequence[
 
 
 def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_reference: bool | None = None,
-                 quiet: bool = False, recent: int | None = None,
-                 data_root: str | os.PathLike | None = None) -> dict[str, Path]:
-    """Write results.csv / .md, results_pooled.csv / .md and, when any cell is finished, the plots.
+                 quiet: bool = False, recent: int | None = None, data_root: str | os.PathLike | None = None,
+                 pairs: Sequence[tuple[str, str]] = ()) -> dict[str, Path]:
+    """Write results.csv / .md, results_pooled.csv / .md, paired.csv / .md (cells compared probe by probe:
+    ``arvdm.experiments.paired``) and, when any cell is finished, the plots.
 
     Args:
         out: the grid's output folder.
@@ -168,6 +182,7 @@ def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_refe
             ``cells/*/cell.json`` found.
         paper_reference: overlay the paper's numbers (default: the grid's ``report.paper_reference``).
         recent, data_root: of the common revisit score (``collect_results``).
+        pairs: (a, b) cell labels or names to compare on the same probes, besides the cells that share a run.
     Returns:
         name -> path of every file written.
     """
@@ -183,10 +198,14 @@ def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_refe
     paths["pooled_csv"], paths["pooled_md"] = write_results_table(
         pooled, out / "results_pooled.csv", out / "results_pooled.md",
         POOLED_TABLE)
+    paired = paired_rows(same_weight_pairs(done) + named_pairs(rows, pairs))
+    paths["paired_csv"], paths["paired_md"] = write_results_table(paired, out / "paired.csv", out / "paired.md",
+                                                                  PAIRED_COLUMNS)
     if done:
         paths.update(_plots(out, done, use_ref))
     title = grid.name if grid is not None else out.name
-    atomic_write_text(paths["md"], _results_md(title, rows, pooled, paths["md"].read_text(encoding="utf-8"), paths))
+    atomic_write_text(paths["md"], _results_md(title, rows, pooled, paths["md"].read_text(encoding="utf-8"), paths,
+                                               paired))
     if not quiet:
         tqdm.write(f"report: {len(done)}/{len(rows)} cells -> {paths['csv']}, {paths['md']}"
                    + (f", {out / 'pareto_gain.png'}" if "pareto_gain" in paths else "")

@@ -133,7 +133,7 @@ def _score(cell_dir: Path, ev: Mapping[str, Any], recent: int, out: Path, data_r
         return {}  # no ground-truth context (or nothing generated): no copy-last to compare with
     poses = eval_poses(ev, out, real.shape[0], real.shape[1], data_root)
     st = npz.stat()
-    key = {"recent": recent, "poses": poses is not None, "npz": [st.st_size, st.st_mtime_ns]}
+    key = {"recent": recent, "poses": poses is not None, "npz": [st.st_size, st.st_mtime_ns], "per_probe": True}
     cache = cell_dir / CACHE_FILE
     if cache.is_file():
         try:
@@ -142,7 +142,7 @@ def _score(cell_dir: Path, ev: Mapping[str, Any], recent: int, out: Path, data_r
                 return saved["score"]
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache is recomputed
-    score = revisit_score(fake[:, context:], real, context, recent=recent, poses=poses)
+    score = revisit_score(fake[:, context:], real, context, recent=recent, poses=poses, per_probe=True)
     score["poses_found"] = poses is not None
     atomic_write_text(cache, json.dumps({"key": key, "score": score}, indent=1) + "\n")
     return score
@@ -162,7 +162,8 @@ def revisit_columns(cell_dir: Path, ev: Mapping[str, Any], recent: int, out: Pat
     """``revisit_gain`` / ``_lo`` / ``_hi`` / ``_probes`` / ``_events`` / ``_recent``, the three PSNRs behind
     it (``revisit_model``, ``revisit_copy_last``, ``revisit_oracle``), ``revisit_closes`` and
     ``revisit_poses`` (1 when the evaluation poses were found); blank without ``rollout.npz``. Gain and
-    interval are blank when the probes fall in fewer than ``MIN_EVENTS`` events."""
+    interval are blank when the probes fall in fewer than ``MIN_EVENTS`` events. The internal ``_revisit_probes`` holds
+    every probe's episode, frame, event and model PSNR (``revisit_score(per_probe=True)``), else None."""
     cell_dir = Path(cell_dir)
     if not (cell_dir / "rollout.npz").is_file():
         return _gain_columns(None, "revisit")
@@ -170,6 +171,7 @@ def revisit_columns(cell_dir: Path, ev: Mapping[str, Any], recent: int, out: Pat
     cols = _gain_columns(score, "revisit")
     cols.update({f"revisit_{k}": (score.get(k) or {}).get("mean") for k in ("model", "copy_last", "oracle")})
     cols.update(revisit_closes=score.get("closes"), revisit_poses=int(bool(score.get("poses_found"))))
+    cols["_revisit_probes"] = score.get("per_probe")  # for pairing cells probe by probe (arvdm.experiments.paired)
     return cols
 
 
