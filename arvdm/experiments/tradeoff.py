@@ -28,7 +28,6 @@ import csv
 import json
 import math
 import os
-import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from arvdm.evaluation.compare import read_rollout  # re-exported: a cell's rollout.npz
 from arvdm.evaluation.revisit_score import revisit_score
 from arvdm.experiments.cells import GridError
 from data.atomic import atomic_write_text
@@ -59,25 +59,6 @@ def common_recent(cells: Sequence[Mapping[str, Any]]) -> int:
     """The recent frames every cell is scored with: the smallest ``memory.length`` among the cells (>= 1)."""
     lengths = [int(c.get("values", {}).get("memory.length") or 0) for c in cells]
     return max(1, min(lengths, default=1))
-
-
-def read_rollout(cell_dir: Path) -> tuple[Tensor, Tensor]:
-    """(real, fake) float (B, T, C, H, W) in [-1, 1] from ``rollout.npz`` (uint8 (B, T, H, W, 3) each)."""
-    path = Path(cell_dir) / "rollout.npz"
-    try:
-        with np.load(path) as z:
-            if "real" not in z or "fake" not in z:
-                raise GridError(f"{path}: needs arrays 'real' and 'fake' (has {sorted(z.files)})")
-            real, fake = z["real"], z["fake"]
-    except (OSError, ValueError, zipfile.BadZipFile) as e:
-        if isinstance(e, GridError):
-            raise
-        raise GridError(f"{path}: unreadable ({e})") from None
-    if real.shape != fake.shape or real.ndim != 5 or real.dtype != np.uint8:
-        raise GridError(f"{path}: 'real' {real.shape} {real.dtype} and 'fake' {fake.shape} must be uint8 "
-                        "(B, T, H, W, 3) of the same shape")
-    as_float = [torch.from_numpy(a).permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0 for a in (real, fake)]
-    return as_float[0], as_float[1]  # (B, T, C, H, W) each
 
 
 def find_eval_data(ev: Mapping[str, Any], out: Path) -> Path | None:

@@ -1,0 +1,192 @@
+"""Two rollouts of the same episodes compared frame by frame: is A better than B, with an interval?
+
+    python -m arvdm.evaluation.compare runs/new/samples/chunked runs/old/samples/chunked
+    python -m arvdm.evaluation.compare OUT_POSE OUT_TIME --recent 6 --json pose_vs_time.json
+
+    from arvdm.evaluation.compare import compare_rollouts
+    result = compare_rollouts("out_a", "out_b")       # {"spans": [...], "revisits": {...}, ...}
+
+A and B are folders written by ``sample.py`` (``rollout.npz`` with uint8 ``real`` and ``fake``, context included;
+``eval.json`` or ``metrics.csv`` to tell how many frames were generated). Both must hold the same ground truth: the
+same episodes, context and frames, as when two runs, two sampling settings or two memory choices are rolled out on
+one data set. Reported, for each span of generated frames (first 1, first 4, 5-16, 17-64, 65-120 by default;
+spans past the rollout are left out): A's and B's mean PSNR, copy-last's and context-mean's, and **A − B** with a
+95% bootstrap interval that resamples episodes with their frames pooled (``paired_difference`` with the episode
+as the event): the way every "paired" figure of the README is computed. On the revisit probes (generated frames
+only memory can supply, ``revisit_score``) A − B is paired probe by probe, events resampled. Per-frame PSNRs are
+capped at ``PSNR_CAP``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from arvdm.errors import USER_ERRORS, ArvdmError
+from arvdm.evaluation.baselines import baseline_frames
+from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
+from arvdm.evaluation.probes import MIN_EVENTS, paired_difference
+from arvdm.evaluation.revisit_score import revisit_score
+from data.atomic import atomic_write_text
+
+__all__ = ["DEFAULT_SPANS", "RolloutFileError", "compare_rollouts", "generated_frames", "main", "read_rollout"]
+
+#: Spans of generated frames (0-based, end exclusive) and their names: issue 21's first frames, 17-64 and 65-120.
+DEFAULT_SPANS: tuple[tuple[str, int, int], ...] = (("first 1", 0, 1), ("first 4", 0, 4), ("5-16", 4, 16),
+                                                   ("17-64", 16, 64), ("65-120", 64, 120))
+
+
+class RolloutFileError(ArvdmError):
+    """A rollout folder that is missing, unreadable, or not comparable with the other one."""
+
+
+def read_rollout(folder: str | Path) -> tuple[Tensor, Tensor]:
+    """(real, fake) float (B, T, C, H, W) in [-1, 1] from ``folder/rollout.npz`` (uint8 (B, T, H, W, 3) each)."""
+    path = Path(folder) / "rollout.npz"
+    try:
+        with np.load(path) as z:
+            if "real" not in z or "fake" not in z:
+                raise RolloutFileError(f"{path}: needs arrays 'real' and 'fake' (has {sorted(z.files)})")
+            real, fake = z["real"], z["fake"]
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        if isinstance(e, RolloutFileError):
+            raise
+        raise RolloutFileError(f"{path}: unreadable ({e})") from None
+    if real.shape != fake.shape or real.ndim != 5 or real.dtype != np.uint8:
+        raise RolloutFileError(f"{path}: 'real' {real.shape} {real.dtype} and 'fake' {fake.shape} must be uint8 "
+                               "(B, T, H, W, 3) of the same shape")
+    as_float = [torch.from_numpy(a).permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0 for a in (real, fake)]
+    return as_float[0], as_float[1]  # (B, T, C, H, W) each
+
+
+def generated_frames(folder: str | Path) -> int:
+    """How many frames the rollout generated: eval.json's ``n_generated``, else the rows of metrics.csv."""
+    folder = Path(folder)
+    if (folder / "eval.json").is_file():
+        try:
+            return int(json.loads((folder / "eval.json").read_text())["n_generated"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise RolloutFileError(f"{folder / 'eval.json'}: no readable n_generated ({e})") from None
+    if (folder / "metrics.csv").is_file():
+        with open(folder / "metrics.csv", newline="") as f:
+            return sum(1 for _ in csv.DictReader(f))
+    raise RolloutFileError(f"{folder}: neither eval.json nor metrics.csv (a folder written by sample.py has both "
+                           "or the latter)")
+
+
+def _load(folder: str | Path) -> tuple[Tensor, Tensor, int]:
+    real, fake = read_rollout(folder)
+    n = generated_frames(folder)
+    if not 1 <= n < real.shape[1]:
+        raise RolloutFileError(f"{folder}: {n} generated frames, but rollout.npz holds {real.shape[1]} frames in all")
+    return real, fake, real.shape[1] - n
+
+
+def _interval(d: dict[str, Any]) -> dict[str, float]:
+    return {"mean": d["mean"], "lo": d["lo"], "hi": d["hi"]}
+
+
+def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, int, int]] = DEFAULT_SPANS,
+                     recent: int = 6, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """A − B by span and on the revisit probes (module docstring); RolloutFileError when they are not comparable.
+
+    Returns ``{"a", "b", "episodes", "context", "generated", "spans": [{"span", "start", "end", "a", "b",
+    "copy_last", "context_mean", "a_minus_b": {mean, lo, hi}}], "revisits": {"probes", "events", "recent", "a",
+    "b", "a_minus_b"} or {"probes", "events", "recent", "too_few": True}}``.
+    """
+    real_a, fake_a, ctx_a = _load(a)
+    real_b, fake_b, ctx_b = _load(b)
+    if real_a.shape != real_b.shape or ctx_a != ctx_b or not torch.equal(real_a, real_b):
+        raise RolloutFileError(f"{a} and {b} do not roll out the same ground truth (shapes {tuple(real_a.shape)} / "
+                               f"{tuple(real_b.shape)}, context {ctx_a} / {ctx_b}): compare rollouts of the same "
+                               "episodes, context and frames")
+    context, n = ctx_a, real_a.shape[1] - ctx_a
+    truth = real_a[:, context:]
+
+    def psnr(frames: Tensor) -> np.ndarray:  # (B, n) per-frame PSNR, capped
+        return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP).double().numpy()
+
+    curves = {"a": psnr(fake_a[:, context:]), "b": psnr(fake_b[:, context:]),
+              "copy_last": psnr(baseline_frames(real_a, context, n, "copy_last")),
+              "context_mean": psnr(baseline_frames(real_a, context, n, "context_mean"))}
+    rows = []
+    for name, lo, hi in spans:
+        if lo >= n:
+            continue
+        hi = min(hi, n)
+        part = {k: v[:, lo:hi] for k, v in curves.items()}  # (B, frames) each
+        episodes = np.repeat(np.arange(part["a"].shape[0]), hi - lo)
+        diff = paired_difference(part["a"].reshape(-1), part["b"].reshape(-1), episodes, n_boot=n_boot, seed=seed)
+        rows.append({"span": name, "start": lo, "end": hi, **{k: float(v.mean()) for k, v in part.items()},
+                     "a_minus_b": _interval(diff)})
+    sa = revisit_score(fake_a[:, context:], real_a, context, recent=recent, per_probe=True, n_boot=n_boot, seed=seed)
+    if sa["events"] < MIN_EVENTS:
+        revisits: dict[str, Any] = {"probes": sa["probes"], "events": sa["events"], "recent": recent, "too_few": True}
+    else:
+        sb = revisit_score(fake_b[:, context:], real_b, context, recent=recent, per_probe=True, n_boot=n_boot,
+                           seed=seed)
+        pa, pb = sa["per_probe"], sb["per_probe"]  # the same probes: they depend on the ground truth only
+        diff = paired_difference(pa["model"], pb["model"], np.asarray(pa["event"]), n_boot=n_boot, seed=seed)
+        revisits = {"probes": sa["probes"], "events": sa["events"], "recent": recent, "a": diff["mean_a"],
+                    "b": diff["mean_b"], "a_minus_b": _interval(diff)}
+    return {"a": str(a), "b": str(b), "episodes": int(real_a.shape[0]), "context": context, "generated": n,
+            "spans": rows, "revisits": revisits}
+
+
+def _fmt(d: dict[str, float]) -> str:
+    return f"{d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    """The comparison as a few lines of text (what the CLI prints)."""
+    lines = [f"A = {result['a']}", f"B = {result['b']}",
+             f"{result['episodes']} episodes, {result['context']} context + {result['generated']} generated frames; "
+             "PSNR dB, A - B with a 95% interval (episodes resampled)",
+             f"{'frames':>8}  {'A':>6}  {'B':>6}  {'copy-last':>9}  {'ctx mean':>8}  A - B"]
+    for r in result["spans"]:
+        lines.append(f"{r['span']:>8}  {r['a']:6.2f}  {r['b']:6.2f}  {r['copy_last']:9.2f}  {r['context_mean']:8.2f}  "
+                     f"{_fmt(r['a_minus_b'])}")
+    rv = result["revisits"]
+    if rv.get("too_few"):
+        lines.append(f"revisits: {rv['probes']} probes in {rv['events']} events (fewer than {MIN_EVENTS}): not read")
+    else:
+        lines.append(f"revisits ({rv['probes']} probes, {rv['events']} events, recent {rv['recent']}): "
+                     f"A {rv['a']:.2f}, B {rv['b']:.2f}, A - B {_fmt(rv['a_minus_b'])} (events resampled)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m arvdm.evaluation.compare", description=__doc__.split("\n")[0])
+    p.add_argument("a", help="a folder written by sample.py (rollout.npz + eval.json or metrics.csv)")
+    p.add_argument("b", help="another folder of the same episodes")
+    p.add_argument("--recent", type=int, default=6, help="recent frames of the revisit probes (default 6)")
+    p.add_argument("--boot", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
+    args = p.parse_args(argv)
+    try:
+        if args.recent < 1:
+            raise RolloutFileError(f"--recent {args.recent}: must be >= 1")
+        if args.boot < 100:
+            raise RolloutFileError(f"--boot {args.boot}: must be >= 100 for a 95% interval")
+        result = compare_rollouts(args.a, args.b, recent=args.recent, n_boot=args.boot)
+        if args.json:
+            atomic_write_text(Path(args.json), json.dumps(result, indent=1) + "\n")
+    except USER_ERRORS as e:
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+    print(format_comparison(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

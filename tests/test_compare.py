@@ -1,0 +1,77 @@
+"""python -m arvdm.evaluation.compare: two rollouts of the same episodes, A - B by span and on the revisit probes,
+against known values; folders that cannot be compared are refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from arvdm.evaluation.compare import RolloutFileError, compare_rollouts, main
+from arvdm.evaluation.metrics import write_metrics_csv
+
+EPISODES, CONTEXT, T, SIZE = 3, 4, 40, 8
+RETURNS = (12, 20, 28, 36)  # frames showing the view of frame 1 again: 4 events per episode, 12 in all
+
+
+def real_video(seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    real = rng.integers(50, 200, (EPISODES, T, SIZE, SIZE, 3), dtype=np.uint8)
+    for r in RETURNS:
+        real[:, r] = real[:, 1]
+    return real
+
+
+def write_rollout(folder, real: np.ndarray, offset: int, with_eval: bool = True) -> None:
+    """A sample.py folder whose generated frames are the truth + offset (every frame, returns included)."""
+    folder.mkdir(parents=True)
+    fake = real.copy()
+    fake[:, CONTEXT:] += np.uint8(offset)
+    np.savez(folder / "rollout.npz", real=real, fake=fake)
+    if with_eval:
+        (folder / "eval.json").write_text(json.dumps({"n_generated": T - CONTEXT}))
+    else:  # metrics.csv only: one row per generated frame, as sample.py writes it without --eval
+        write_metrics_csv(folder / "metrics.csv", torch.zeros(T - CONTEXT), torch.zeros(T - CONTEXT))
+
+
+def test_a_minus_b_is_the_known_difference_by_span_and_on_revisits(tmp_path):
+    real = real_video()
+    write_rollout(tmp_path / "a", real, 10)
+    write_rollout(tmp_path / "b", real, 20, with_eval=False)
+    r = compare_rollouts(tmp_path / "a", tmp_path / "b", n_boot=200)
+    known = 20 * math.log10(20 / 10)  # a uniform error half as large: +6.02 dB on every frame
+    assert (r["context"], r["generated"], r["episodes"]) == (CONTEXT, T - CONTEXT, EPISODES)
+    assert [s["span"] for s in r["spans"]] == ["first 1", "first 4", "5-16", "17-64"]  # 36 generated: no 65-120
+    assert r["spans"][-1]["end"] == T - CONTEXT
+    for s in r["spans"]:
+        d = s["a_minus_b"]
+        assert d["mean"] == pytest.approx(known, abs=1e-4) and d["hi"] - d["lo"] < 1e-6
+        assert s["a"] - s["b"] == pytest.approx(known, abs=1e-4)
+    rv = r["revisits"]
+    assert (rv["probes"], rv["events"]) == (len(RETURNS) * EPISODES, len(RETURNS) * EPISODES)
+    assert rv["a_minus_b"]["mean"] == pytest.approx(known, abs=1e-4)
+    # B against A: the sign flips
+    assert compare_rollouts(tmp_path / "b", tmp_path / "a", n_boot=200)["spans"][0]["a_minus_b"]["mean"] == \
+        pytest.approx(-known, abs=1e-4)
+
+
+def test_cli_prints_writes_json_and_refuses_what_cannot_be_compared(tmp_path, capsys):
+    real = real_video()
+    write_rollout(tmp_path / "a", real, 10)
+    write_rollout(tmp_path / "b", real, 20)
+    write_rollout(tmp_path / "other", real_video(seed=1), 20)  # other episodes
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(tmp_path / "c.json"), "--boot", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "17-64" in out and "+6.02 [+6.02, +6.02]" in out and "revisits (12 probes, 12 events" in out
+    assert json.loads((tmp_path / "c.json").read_text())["spans"][1]["span"] == "first 4"
+    assert main([str(tmp_path / "a"), str(tmp_path / "other")]) == 2
+    assert "do not roll out the same ground truth" in capsys.readouterr().err
+    assert main([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
+    assert "rollout.npz: unreadable" in capsys.readouterr().err
+    with pytest.raises(RolloutFileError, match="neither eval.json nor metrics.csv"):
+        (tmp_path / "a" / "eval.json").unlink()
+        compare_rollouts(tmp_path / "a", tmp_path / "b")
+    assert main([str(tmp_path / "b"), str(tmp_path / "b"), "--recent", "0"]) == 2
