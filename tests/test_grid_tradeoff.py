@@ -92,7 +92,8 @@ def write_cell(out: Path, name: str, values: dict, *, d: int, decay: float, data
                                                 "sample": {"context": CONTEXT}}))
     spans = [{"label": "0-16", "mean": 20.0, "n": 16}, {"label": "16-32", "mean": 20.0 - decay, "n": 16}]
     ev = {"psnr_by_span": spans, "ssim_by_span": spans, "max_psnr_decay": decay, "retrieval_by_span": [],
-          "retrieval_threshold": 0.5, "n_frames": GENERATED * EPISODES, "n_probes": 0, "context": CONTEXT,
+          "retrieval_threshold": 0.5, "n_frames": GENERATED * EPISODES, "n_generated": GENERATED, "n_probes": 0,
+          "context": CONTEXT,
           "settings": {"context": CONTEXT, "data": None if data is None else str(data), "split": "validation",
                        "episodes": EPISODES},
           "config": {"data": {"path": "nowhere", "frame_skip": 1}},
@@ -205,6 +206,11 @@ def test_cells_are_paired_probe_by_probe(tmp_path):
     assert (same["probes"], same["events"], same["verdict"]) == (str(len(RETURNS) * EPISODES),
                                                                  str(len(RETURNS) * EPISODES), "a > b")
     assert float(named["difference"]) == 0.0 and named["verdict"] == "no difference shown"
+    # the spans from the rollouts: the same random frames on both sides except the returns (view + d)
+    assert float(same["first4_diff"]) == 0.0  # generated frames 1-4 hold no return
+    returns_in_17_64 = sum(16 <= r - CONTEXT < min(64, GENERATED) for r in RETURNS)  # 3 of the span's 24 frames
+    assert float(same["f17_64_diff"]) == pytest.approx(
+        returns_in_17_64 * (gain_db(10) - gain_db(20)) / (min(64, GENERATED) - 16), abs=1e-4)
     md = (out / "results.md").read_text()
     assert "## Paired on the same probes (a - b)" in md and "1 of 1" in md  # the pooled row: above 0 in 1 seed of 1
     with pytest.raises(GridError, match="--pair 'nope': no such cell"):

@@ -97,8 +97,9 @@ def _interval(d: dict[str, Any]) -> dict[str, float]:
 
 
 def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, int, int]] = DEFAULT_SPANS,
-                     recent: int = 6, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+                     recent: int = 6, n_boot: int = 2000, seed: int = 0, revisits: bool = True) -> dict[str, Any]:
     """A − B by span and on the revisit probes (module docstring); RolloutFileError when they are not comparable.
+    ``revisits=False`` leaves the probes out (``"revisits": None``).
 
     Returns ``{"a", "b", "episodes", "context", "generated", "spans": [{"span", "start", "end", "a", "b",
     "copy_last", "context_mean", "a_minus_b": {mean, lo, hi}}], "revisits": {"probes", "events", "recent", "a",
@@ -129,18 +130,22 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
         diff = paired_difference(part["a"].reshape(-1), part["b"].reshape(-1), episodes, n_boot=n_boot, seed=seed)
         rows.append({"span": name, "start": lo, "end": hi, **{k: float(v.mean()) for k, v in part.items()},
                      "a_minus_b": _interval(diff)})
-    sa = revisit_score(fake_a[:, context:], real_a, context, recent=recent, per_probe=True, n_boot=n_boot, seed=seed)
-    if sa["events"] < MIN_EVENTS:
-        revisits: dict[str, Any] = {"probes": sa["probes"], "events": sa["events"], "recent": recent, "too_few": True}
-    else:
-        sb = revisit_score(fake_b[:, context:], real_b, context, recent=recent, per_probe=True, n_boot=n_boot,
-                           seed=seed)
-        pa, pb = sa["per_probe"], sb["per_probe"]  # the same probes: they depend on the ground truth only
-        diff = paired_difference(pa["model"], pb["model"], np.asarray(pa["event"]), n_boot=n_boot, seed=seed)
-        revisits = {"probes": sa["probes"], "events": sa["events"], "recent": recent, "a": diff["mean_a"],
-                    "b": diff["mean_b"], "a_minus_b": _interval(diff)}
     return {"a": str(a), "b": str(b), "episodes": int(real_a.shape[0]), "context": context, "generated": n,
-            "spans": rows, "revisits": revisits}
+            "spans": rows, "revisits": _paired_revisits(real_a, fake_a, fake_b, context, recent, n_boot, seed)
+            if revisits else None}
+
+
+def _paired_revisits(real: Tensor, fake_a: Tensor, fake_b: Tensor, context: int, recent: int, n_boot: int,
+                     seed: int) -> dict[str, Any]:
+    """A − B on the revisit probes of the shared ground truth, paired probe by probe."""
+    sa = revisit_score(fake_a[:, context:], real, context, recent=recent, per_probe=True, n_boot=n_boot, seed=seed)
+    if sa["events"] < MIN_EVENTS:
+        return {"probes": sa["probes"], "events": sa["events"], "recent": recent, "too_few": True}
+    sb = revisit_score(fake_b[:, context:], real, context, recent=recent, per_probe=True, n_boot=n_boot, seed=seed)
+    pa, pb = sa["per_probe"], sb["per_probe"]  # the same probes: they depend on the ground truth only
+    diff = paired_difference(pa["model"], pb["model"], np.asarray(pa["event"]), n_boot=n_boot, seed=seed)
+    return {"probes": sa["probes"], "events": sa["events"], "recent": recent, "a": diff["mean_a"],
+            "b": diff["mean_b"], "a_minus_b": _interval(diff)}
 
 
 def _fmt(d: dict[str, float]) -> str:
@@ -157,7 +162,9 @@ def format_comparison(result: dict[str, Any]) -> str:
         lines.append(f"{r['span']:>8}  {r['a']:6.2f}  {r['b']:6.2f}  {r['copy_last']:9.2f}  {r['context_mean']:8.2f}  "
                      f"{_fmt(r['a_minus_b'])}")
     rv = result["revisits"]
-    if rv.get("too_few"):
+    if rv is None:
+        pass
+    elif rv.get("too_few"):
         lines.append(f"revisits: {rv['probes']} probes in {rv['events']} events (fewer than {MIN_EVENTS}): not read")
     else:
         lines.append(f"revisits ({rv['probes']} probes, {rv['events']} events, recent {rv['recent']}): "

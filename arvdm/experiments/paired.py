@@ -2,7 +2,7 @@
 
     pairs = same_weight_pairs(rows)              # the first cell of each training run against its other cells
     pairs += named_pairs(rows, [("pose k4 prepend s2", "time m6 prepend s2")])   # any two cells, by label or name
-    table = paired_rows(pairs)                   # one row per pair: a - b on the same probes, interval, events
+    table = paired_rows(pairs, out)              # one row per pair: a - b on the same probes, first 4, 17-64
     pooled = pool_pairs(table)                   # one row per pair of configurations: mean over seeds
 
 Every cell of a grid is scored on the same revisit probes of the same episodes (``arvdm.experiments.tradeoff``:
@@ -15,11 +15,14 @@ with memory chosen by time, by none, with history guidance, ...): the run's firs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from arvdm.evaluation.compare import compare_rollouts
 from arvdm.evaluation.probes import paired_difference
 from arvdm.experiments.cells import GridError
 from arvdm.experiments.labels import pool_seeds
@@ -28,16 +31,21 @@ __all__ = ["PAIRED_COLUMNS", "PAIRED_NOTE", "POOLED_PAIR_COLUMNS", "named_pairs"
            "same_weight_pairs"]
 
 #: The columns of paired.csv / paired.md.
-PAIRED_COLUMNS = ("a", "b", "difference", "lo", "hi", "probes", "events", "a_psnr", "b_psnr", "verdict")
+PAIRED_COLUMNS = ("a", "b", "difference", "lo", "hi", "probes", "events", "a_psnr", "b_psnr", "verdict",
+                  "first4_diff", "first4_lo", "first4_hi", "f17_64_diff", "f17_64_lo", "f17_64_hi")
+#: The spans of generated frames (0-based, end exclusive) paired beside the probes: column prefix -> (start, end).
+SPAN_COLUMNS = {"first4": (0, 4), "f17_64": (16, 64)}
 #: The columns of the pooled pairs (one row per pair of configurations).
 POOLED_PAIR_COLUMNS = ("config", "seeds", "difference", "difference_by_seed", "intervals_above_0",
-                       "intervals_below_0")
+                       "intervals_below_0", "first4_diff", "f17_64_diff", "f17_64_diff_by_seed")
 #: What the paired table's columns mean (its header in results.md).
 PAIRED_NOTE = (
     "a - b: the two cells' model PSNR on the same revisit probes (dB), pooled over probes, with its event-level 95% "
     "bootstrap interval [lo, hi]; a_psnr / b_psnr: each cell's mean over those probes; verdict: 'a > b' or "
-    "'a < b' when the interval excludes 0, else 'no difference shown'. Cells that share a training run (same "
-    "weights) are paired automatically, the run's first cell as a; more pairs with `report --pair A B`.")
+    "'a < b' when the interval excludes 0, else 'no difference shown'; first4_ / f17_64_: a - b over the first 4 "
+    "and over generated frames 17-64 (episodes resampled, frames pooled; blank without both rollouts). Cells that "
+    "share a training run (same weights) are paired automatically, the run's first cell as a; more pairs with "
+    "`report --pair A B`.")
 
 
 def _usable(row: Mapping[str, Any]) -> bool:
@@ -70,7 +78,24 @@ def named_pairs(rows: Sequence[Mapping[str, Any]], names: Sequence[tuple[str, st
     return out
 
 
-def _pair_row(a: Mapping[str, Any], b: Mapping[str, Any], n_boot: int, seed: int) -> dict[str, Any]:
+def _span_columns(out: Path | None, a: Mapping[str, Any], b: Mapping[str, Any], n_boot: int,
+                  seed: int) -> dict[str, Any]:
+    """a - b over the SPAN_COLUMNS spans from the cells' rollout.npz (``compare_rollouts``); blank without them."""
+    blank = {f"{k}_{part}": None for k in SPAN_COLUMNS for part in ("diff", "lo", "hi")}
+    if out is None or not all((out / "cells" / r["name"] / "rollout.npz").is_file() for r in (a, b)):
+        return blank
+    spans = [(k, lo, hi) for k, (lo, hi) in SPAN_COLUMNS.items()]
+    result = compare_rollouts(out / "cells" / a["name"], out / "cells" / b["name"], spans=spans, n_boot=n_boot,
+                              seed=seed, revisits=False)
+    cols = dict(blank)
+    for r in result["spans"]:
+        d = r["a_minus_b"]
+        cols.update({f"{r['span']}_diff": d["mean"], f"{r['span']}_lo": d["lo"], f"{r['span']}_hi": d["hi"]})
+    return cols
+
+
+def _pair_row(a: Mapping[str, Any], b: Mapping[str, Any], n_boot: int, seed: int,
+              out: Path | None = None) -> dict[str, Any]:
     pa, pb = a["_revisit_probes"], b["_revisit_probes"]
     if pa["b"] != pb["b"] or pa["t"] != pb["t"]:
         raise GridError(f"cells {a['label']!r} and {b['label']!r} were not scored on the same probes (other "
@@ -81,19 +106,21 @@ def _pair_row(a: Mapping[str, Any], b: Mapping[str, Any], n_boot: int, seed: int
     return {"a": a["label"], "b": b["label"], "difference": d["mean"], "lo": d["lo"], "hi": d["hi"],
             "probes": len(pa["t"]), "events": len(set(pa["event"])), "a_psnr": d["mean_a"], "b_psnr": d["mean_b"],
             "verdict": verdict, "seed": a.get("seed") if same_seed else None,
-            "config": f"{a.get('config')} - {b.get('config')}" if same_seed else None}
+            "config": f"{a.get('config')} - {b.get('config')}" if same_seed else None,
+            **_span_columns(out, a, b, n_boot, seed)}
 
 
 def paired_rows(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], n_boot: int = 1000,
-                seed: int = 0) -> list[dict[str, Any]]:
-    """One row per pair (``PAIRED_COLUMNS``, plus ``config`` and ``seed`` for pooling when both share a seed)."""
-    return [_pair_row(a, b, n_boot, seed) for a, b in pairs]
+                seed: int = 0, out: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """One row per pair (``PAIRED_COLUMNS``, plus ``config`` and ``seed`` for pooling when both share a seed); with
+    the grid folder ``out``, also a - b over the first 4 frames and frames 17-64 from the cells' rollouts."""
+    return [_pair_row(a, b, n_boot, seed, None if out is None else Path(out)) for a, b in pairs]
 
 
 def pool_pairs(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per pair of configurations (seeds pooled): the mean difference over seeds, each seed's, and in how
     many seeds the interval lies above / below 0."""
-    pooled = pool_seeds(table, ("difference",))
+    pooled = pool_seeds(table, ("difference", "first4_diff", "f17_64_diff"))
     for row in pooled:
         members = [r for r in table if r.get("config") == row["config"]]
         row["intervals_above_0"] = f"{sum(r['lo'] > 0 for r in members)} of {len(members)}"

@@ -198,7 +198,7 @@ def write_report(out: str | os.PathLike, grid: Grid | None = None, *, paper_refe
     paths["pooled_csv"], paths["pooled_md"] = write_results_table(
         pooled, out / "results_pooled.csv", out / "results_pooled.md",
         POOLED_TABLE)
-    paired = paired_rows(same_weight_pairs(done) + named_pairs(rows, pairs))
+    paired = paired_rows(same_weight_pairs(done) + named_pairs(rows, pairs), out=out)
     paths["paired_csv"], paths["paired_md"] = write_results_table(paired, out / "paired.csv", out / "paired.md",
                                                                   PAIRED_COLUMNS)
     if done:
