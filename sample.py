@@ -149,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def context_views_line(views: dict[str, Any]) -> str:
     """`arvdm.evaluation.holdup.context_views` in one line: model minus context-mean on each part of the span."""
-    def part(name: str) -> str:
-        d = views[name]
-        return f"{name} -" if d is None else f"{name} {d['mean']:+.2f} dB [{d['lo']:+.2f}, {d['hi']:+.2f}]"
-    return (f"frames {views['label']}: {views['share_seen']:.0%} show a view a context frame shows; model minus "
-            f"context-mean on those and on the rest (views the model must invent): {part('seen')}, {part('unseen')}")
+    def part(name: str, label: str) -> str:
+        d = views.get(name)
+        return f"{label}-" if d is None else f"{label}{d['mean']:+.2f} dB [{d['lo']:+.2f}, {d['hi']:+.2f}]"
+    return (f"frames {views['label']}: model minus context-mean {part('all', '')}; {views['share_seen']:.0%} show a "
+            f"view a context frame shows; on those and on the rest (views the model must invent): "
+            f"{part('seen', 'seen ')}, {part('unseen', 'unseen ')}")
 
 
 def speculation_line(i: int, rep: dict[str, Any]) -> str:

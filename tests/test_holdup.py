@@ -98,6 +98,10 @@ def test_context_views_splits_the_span_by_pose():
     assert v["seen"]["mean"] > 20 and v["seen"]["n_probes"] == 8 and v["seen"]["n_events"] == 2
     assert v["unseen"]["mean"] == pytest.approx(float((model - base)[:, unseen].mean()), rel=1e-5)
     assert v["unseen"]["mean"] < 0  # context-mean + 0.5 is worse than context-mean
+    # the whole span: the frame-weighted mean of its two parts (half the frames each), and the direct mean
+    assert v["all"]["mean"] == pytest.approx(0.5 * (v["seen"]["mean"] + v["unseen"]["mean"]), rel=1e-5)
+    assert v["all"]["mean"] == pytest.approx(float((model - base)[:, 2:10].mean()), rel=1e-5)
+    assert v["all"]["n_probes"] == 16 and v["all"]["lo"] <= v["all"]["mean"] <= v["all"]["hi"]
     # the heading counts too: the same place looking the other way is not a view the context shows
     poses[:, 4:, 2] = 3.0
     assert context_views(gen, real, context=4, poses=poses, start=2, end=10)["seen"] is None

@@ -84,7 +84,10 @@ def test_sample_splits_frames_17_on_by_the_views_the_context_shows(run, tmp_path
     # 20..27 of the episode, x = 0..7, so half of them show a view the context shows
     assert (views["label"], views["share_seen"]) == ("17-24", 0.5)
     assert views["seen"]["n_probes"] == views["unseen"]["n_probes"] == 8
-    assert "frames 17-24: 50% show a view a context frame shows" in capsys.readouterr().err
+    assert views["all"]["n_probes"] == 16
+    err = capsys.readouterr().err
+    assert (f"frames 17-24: model minus context-mean {views['all']['mean']:+.2f} dB" in err
+            and "; 50% show a view a context frame shows" in err)
 
 
 def test_cache_and_no_cache_agree_with_full_retention(tmp_path):

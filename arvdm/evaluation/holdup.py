@@ -113,10 +113,10 @@ def context_views(gen: Tensor, real: Tensor, context: int, poses: Tensor, start:
             issue 21's span); `end` is clipped to N.
         pos_tol, heading_tol: a frame "shows the same view" as a context frame within these (the revisit tolerances).
     Returns:
-        None when the rollout has no frame at `start`; else ``{"start", "end", "label", "share_seen", "seen",
-        "unseen"}``: ``share_seen`` the fraction of the span's frames whose view a context frame shows; ``seen`` /
-        ``unseen`` each ``paired_difference`` of the model's PSNR minus context-mean's over those frames, episodes
-        resampled as events (None when the part is empty).
+        None when the rollout has no frame at `start`; else ``{"start", "end", "label", "share_seen", "all", "seen",
+        "unseen"}``: ``share_seen`` the fraction of the span's frames whose view a context frame shows; ``all`` /
+        ``seen`` / ``unseen`` each ``paired_difference`` of the model's PSNR minus context-mean's over the whole span
+        / those frames, episodes resampled as events (None when the part is empty).
     """
     n = gen.shape[1]
     if real.ndim != 5 or real.shape[1] != context + n or real.shape[0] != gen.shape[0] or context < 1:
@@ -149,7 +149,7 @@ def _split_by_context_views(model: Tensor, base: Tensor, context: int, poses: Te
         return paired_difference(model[mask], base[mask], episode[mask], n_boot, seed) if mask.any() else None
 
     return {"start": start, "end": end, "label": f"{start + 1}-{end}", "share_seen": float(seen.mean()),
-            "seen": part(seen), "unseen": part(~seen)}
+            "all": part(np.ones_like(seen)), "seen": part(seen), "unseen": part(~seen)}
 
 def hold_up(gen: Tensor, real: Tensor, context: int, span: int = 16, n_boot: int = 1000, seed: int = 0,
             psnr_cap: float = PSNR_CAP, poses: Tensor | None = None) -> dict[str, Any]:
