@@ -50,12 +50,26 @@ def test_a_minus_b_is_the_known_difference_by_span_and_on_revisits(tmp_path):
         d = s["a_minus_b"]
         assert d["mean"] == pytest.approx(known, abs=1e-4) and d["hi"] - d["lo"] < 1e-6
         assert s["a"] - s["b"] == pytest.approx(known, abs=1e-4)
+    # sharpness: an offset keeps every edge (ratio 1); a flat gray rollout has none (ratio 0)
+    assert all(s["gradient_ratio_a"] == pytest.approx(1.0, abs=1e-6) for s in r["spans"])
     rv = r["revisits"]
     assert (rv["probes"], rv["events"]) == (len(RETURNS) * EPISODES, len(RETURNS) * EPISODES)
     assert rv["a_minus_b"]["mean"] == pytest.approx(known, abs=1e-4)
     # B against A: the sign flips
     assert compare_rollouts(tmp_path / "b", tmp_path / "a", n_boot=200)["spans"][0]["a_minus_b"]["mean"] == \
         pytest.approx(-known, abs=1e-4)
+
+
+def test_a_flat_rollout_has_no_sharpness(tmp_path):
+    real = real_video()
+    write_rollout(tmp_path / "a", real, 10)
+    flat = tmp_path / "flat"
+    write_rollout(flat, real, 0)
+    z = dict(np.load(flat / "rollout.npz"))
+    z["fake"][:, CONTEXT:] = 128
+    np.savez(flat / "rollout.npz", **z)
+    r = compare_rollouts(tmp_path / "a", flat, n_boot=200, revisits=False)
+    assert all(s["gradient_ratio_b"] == 0.0 for s in r["spans"]) and r["revisits"] is None
 
 
 def test_cli_prints_writes_json_and_refuses_what_cannot_be_compared(tmp_path, capsys):
@@ -66,6 +80,7 @@ def test_cli_prints_writes_json_and_refuses_what_cannot_be_compared(tmp_path, ca
     assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(tmp_path / "c.json"), "--boot", "200"]) == 0
     out = capsys.readouterr().out
     assert "17-64" in out and "+6.02 [+6.02, +6.02]" in out and "revisits (12 probes, 12 events" in out
+    assert "1.00 / 1.00" in out  # sharpness A / B: both the truth's edges
     assert json.loads((tmp_path / "c.json").read_text())["spans"][1]["span"] == "first 4"
     assert main([str(tmp_path / "a"), str(tmp_path / "other")]) == 2
     assert "do not roll out the same ground truth" in capsys.readouterr().err

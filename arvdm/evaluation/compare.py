@@ -10,9 +10,11 @@ A and B are folders written by ``sample.py`` (``rollout.npz`` with uint8 ``real`
 ``eval.json`` or ``metrics.csv`` to tell how many frames were generated). Both must hold the same ground truth: the
 same episodes, context and frames, as when two runs, two sampling settings or two memory choices are rolled out on
 one data set. Reported, for each span of generated frames (first 1, first 4, 5-16, 17-64, 65-120 by default;
-spans past the rollout are left out): A's and B's mean PSNR, copy-last's and context-mean's, and **A − B** with a
-95% bootstrap interval that resamples episodes with their frames pooled (``paired_difference`` with the episode
-as the event): the way every "paired" figure of the README is computed. On the revisit probes (generated frames
+spans past the rollout are left out): A's and B's mean PSNR, copy-last's and context-mean's, A's and B's
+sharpness (the spatial-gradient ratio generated / true, summed over the span's frames and episodes: ``eval.json``'s
+definition; ~1 sharp, falling with blur), and **A − B** with a 95% bootstrap interval that resamples episodes with
+their frames pooled (``paired_difference`` with the episode as the event): the way every "paired" figure of the
+README is computed. On the revisit probes (generated frames
 only memory can supply, ``revisit_score``) A − B is paired probe by probe, events resampled. Per-frame PSNRs are
 capped at ``PSNR_CAP``.
 """
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from arvdm.errors import USER_ERRORS, ArvdmError
 from arvdm.evaluation.baselines import baseline_frames
-from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
+from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
 from arvdm.evaluation.probes import MIN_EVENTS, paired_difference
 from arvdm.evaluation.revisit_score import revisit_score
 from data.atomic import atomic_write_text
@@ -102,8 +104,9 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
     ``revisits=False`` leaves the probes out (``"revisits": None``).
 
     Returns ``{"a", "b", "episodes", "context", "generated", "spans": [{"span", "start", "end", "a", "b",
-    "copy_last", "context_mean", "a_minus_b": {mean, lo, hi}}], "revisits": {"probes", "events", "recent", "a",
-    "b", "a_minus_b"} or {"probes", "events", "recent", "too_few": True}}``.
+    "copy_last", "context_mean", "a_minus_b": {mean, lo, hi}, "gradient_ratio_a", "gradient_ratio_b"}],
+    "revisits": {"probes", "events", "recent", "a", "b", "a_minus_b"} or {"probes", "events", "recent",
+    "too_few": True}}``.
     """
     real_a, fake_a, ctx_a = _load(a)
     real_b, fake_b, ctx_b = _load(b)
@@ -117,6 +120,8 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
     def psnr(frames: Tensor) -> np.ndarray:  # (B, n) per-frame PSNR, capped
         return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP).double().numpy()
 
+    grad_real = spatial_gradient_per_frame(truth)  # (B, n) sharpness of the truth, the ratios' denominator
+    grad = {k: spatial_gradient_per_frame(f[:, context:]) for k, f in (("a", fake_a), ("b", fake_b))}  # (B, n) each
     curves = {"a": psnr(fake_a[:, context:]), "b": psnr(fake_b[:, context:]),
               "copy_last": psnr(baseline_frames(real_a, context, n, "copy_last")),
               "context_mean": psnr(baseline_frames(real_a, context, n, "context_mean"))}
@@ -128,8 +133,10 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
         part = {k: v[:, lo:hi] for k, v in curves.items()}  # (B, frames) each
         episodes = np.repeat(np.arange(part["a"].shape[0]), hi - lo)
         diff = paired_difference(part["a"].reshape(-1), part["b"].reshape(-1), episodes, n_boot=n_boot, seed=seed)
+        sharp = {f"gradient_ratio_{k}": float(g[:, lo:hi].double().sum() / grad_real[:, lo:hi].double().sum()
+                                              .clamp(min=1e-12)) for k, g in grad.items()}
         rows.append({"span": name, "start": lo, "end": hi, **{k: float(v.mean()) for k, v in part.items()},
-                     "a_minus_b": _interval(diff)})
+                     "a_minus_b": _interval(diff), **sharp})
     return {"a": str(a), "b": str(b), "episodes": int(real_a.shape[0]), "context": context, "generated": n,
             "spans": rows, "revisits": _paired_revisits(real_a, fake_a, fake_b, context, recent, n_boot, seed)
             if revisits else None}
@@ -157,10 +164,10 @@ def format_comparison(result: dict[str, Any]) -> str:
     lines = [f"A = {result['a']}", f"B = {result['b']}",
              f"{result['episodes']} episodes, {result['context']} context + {result['generated']} generated frames; "
              "PSNR dB, A - B with a 95% interval (episodes resampled)",
-             f"{'frames':>8}  {'A':>6}  {'B':>6}  {'copy-last':>9}  {'ctx mean':>8}  A - B"]
+             f"{'frames':>8}  {'A':>6}  {'B':>6}  {'copy-last':>9}  {'ctx mean':>8}  {'A - B':<22}  sharpness A / B"]
     for r in result["spans"]:
         lines.append(f"{r['span']:>8}  {r['a']:6.2f}  {r['b']:6.2f}  {r['copy_last']:9.2f}  {r['context_mean']:8.2f}  "
-                     f"{_fmt(r['a_minus_b'])}")
+                     f"{_fmt(r['a_minus_b']):<22}  {r['gradient_ratio_a']:.2f} / {r['gradient_ratio_b']:.2f}")
     rv = result["revisits"]
     if rv is None:
         pass
