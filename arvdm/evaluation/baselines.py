@@ -30,7 +30,8 @@ from arvdm.evaluation.metrics import (
 )
 
 __all__ = ["BASELINES", "FIRST_FRAMES", "SHARPNESS_FRAMES", "SHARP_RANGE", "VERDICT_FRAMES", "baseline_frames",
-           "compare_with_baselines", "first_frames_mean", "gradient_ratio_by_span", "verdict"]
+           "compare_with_baselines", "first_frames_mean", "gradient_ratio_by_span", "summed_gradient_ratio",
+           "verdict"]
 
 BASELINES = ("copy_last", "context_mean")
 FIRST_FRAMES = (1, 4, 16)  # the "first k generated frames" the headline table reports
@@ -75,13 +76,14 @@ def gradient_ratio_by_span(gen: Tensor, real: Tensor, span: int = 16) -> list[di
     return _ratio_by_span(spatial_gradient_per_frame(gen), spatial_gradient_per_frame(real), span)
 
 
-def _ratio(g: Tensor, r: Tensor, a: int, b: int) -> float:
-    """Sum of per-frame gradients g over frames a..b-1 and episodes, over that of r ((B, N) each)."""
+def summed_gradient_ratio(g: Tensor, r: Tensor, a: int, b: int) -> float:
+    """Sum of per-frame gradients g over frames a..b-1 and episodes, over that of r ((B, N) each,
+    ``spatial_gradient_per_frame``): the sharpness ratio of every report (eval.json, grids, compare)."""
     return float(g[:, a:b].double().sum() / r[:, a:b].double().sum().clamp(min=_FLAT_GRADIENT))
 
 
 def _ratio_by_span(g: Tensor, r: Tensor, span: int) -> list[dict[str, Any]]:
-    return [{**s, "mean": _ratio(g, r, s["start"], s["end"])} for s in summarise_by_span(g, span)]
+    return [{**s, "mean": summed_gradient_ratio(g, r, s["start"], s["end"])} for s in summarise_by_span(g, span)]
 
 
 def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 16) -> dict[str, Any]:
@@ -113,11 +115,11 @@ def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 
                            "psnr_curve": psnr[kind].double().mean(0).tolist(),
                            "ssim_curve": ssim[kind].double().mean(0).tolist()}
     g, r = spatial_gradient_per_frame(gen), spatial_gradient_per_frame(target)  # (B, N) each, computed once
-    g16 = _ratio(g, r, 0, SHARPNESS_FRAMES)
+    g16 = summed_gradient_ratio(g, r, 0, SHARPNESS_FRAMES)
     first = {name: {"psnr": first_frames_mean(psnr[name].clamp(max=PSNR_CAP)), "ssim": first_frames_mean(ssim[name])}
              for name in ("model", *BASELINES)}
     return {"first_frames": first, "baselines": baselines, "gradient_ratio_by_span": _ratio_by_span(g, r, span),
-            "gradient_ratio_curve": [_ratio(g, r, i, i + 1) for i in range(n)],
+            "gradient_ratio_curve": [summed_gradient_ratio(g, r, i, i + 1) for i in range(n)],
             "gradient_ratio_first16": g16, "verdict": verdict(first, g16)}
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from arvdm.errors import USER_ERRORS, ArvdmError
-from arvdm.evaluation.baselines import baseline_frames
+from arvdm.evaluation.baselines import baseline_frames, summed_gradient_ratio
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
 from arvdm.evaluation.probes import MIN_EVENTS, paired_difference
 from arvdm.evaluation.revisit_score import revisit_score
@@ -133,8 +133,7 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
         part = {k: v[:, lo:hi] for k, v in curves.items()}  # (B, frames) each
         episodes = np.repeat(np.arange(part["a"].shape[0]), hi - lo)
         diff = paired_difference(part["a"].reshape(-1), part["b"].reshape(-1), episodes, n_boot=n_boot, seed=seed)
-        sharp = {f"gradient_ratio_{k}": float(g[:, lo:hi].double().sum() / grad_real[:, lo:hi].double().sum()
-                                              .clamp(min=1e-12)) for k, g in grad.items()}
+        sharp = {f"gradient_ratio_{k}": summed_gradient_ratio(g, grad_real, lo, hi) for k, g in grad.items()}
         rows.append({"span": name, "start": lo, "end": hi, **{k: float(v.mean()) for k, v in part.items()},
                      "a_minus_b": _interval(diff), **sharp})
     return {"a": str(a), "b": str(b), "episodes": int(real_a.shape[0]), "context": context, "generated": n,

@@ -62,8 +62,9 @@ def _standard_normal(shape: tuple[int, ...], generator: Generators, device: torc
                      dtype: torch.dtype) -> torch.Tensor:
     """Standard normal noise of ``shape`` (batch first) from ``generator`` (drawn on the generator's device, then
     moved); with one generator per sample, sample i's part comes from generator i."""
-    if isinstance(generator, (list, tuple)):
-        return torch.stack([_standard_normal(shape[1:], g, device, dtype) for g in generator])  # (B, *shape[1:])
+    if isinstance(generator, (list, tuple)):  # drawn where the generators live, moved once
+        return torch.stack([torch.randn(shape[1:], generator=g, device=g.device, dtype=dtype)
+                            for g in generator]).to(device)  # (B, *shape[1:])
     gdev = generator.device if generator is not None else device
     return torch.randn(shape, generator=generator, device=gdev, dtype=dtype).to(device)
 
