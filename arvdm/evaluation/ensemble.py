@@ -1,0 +1,250 @@
+"""K rollouts of the same episodes with other noise: is a rollout's error ignorance or the price of one sample?
+
+    python sample.py --run runs/tiny --data D --split training --context 8 --frames 128 --episodes 32 --seed 1 --out s1
+    ...                                                                                  (--seed 2, 3 ... --out s2, s3)
+    python -m arvdm.evaluation.ensemble s0 s1 s2 s3 [--data D --split training] [--json ensemble.json]
+
+PSNR rewards the mean of what may come: where the future is uncertain, the conditional mean E[x | context,
+actions] has the least squared error, and one sample of that distribution pays twice its variance (the sample's
+own spread plus the truth's). A blurry predictor such as the context mean can therefore beat a sharp sample that
+knows more. This module separates the two. For each span of generated frames (first 1, first 4, 5-16, 17-64,
+65-120) it reports, beside copy-last and the context mean:
+
+    one sample     the mean PSNR of the K rollouts, each scored on its own (what sample.py reports)
+    mean of K      the per-pixel mean of the K rollouts scored against the truth (an ensemble, not a rollout)
+    model mean     the model's own conditional mean, K -> infinity: per pixel, (mean of K - truth)^2 minus the
+                   samples' unbiased variance / K (the bias-variance split E[(m_K - x)^2] = bias^2 + var/K),
+                   floored at 0, averaged over each frame, as PSNR
+    agreement      the mean PSNR of every pair of rollouts against each other (how alike the samples are)
+
+with the sharpness of one sample and of the mean of K (the spatial-gradient ratio generated / true summed over
+the span, ``eval.json``'s definition: an ensemble pays for its PSNR in blur), and, paired over the same frames
+with an episode-level 95% interval (``paired_difference``): mean of K - context mean, one sample - context mean
+and mean of K - one sample. Reading: if the model's mean beats the context mean
+where one sample does not, the model knows more than the context mean and loses only the sample's spread; if the
+mean does not beat it either, no choice of sample can, and the model does not know the frames better than the
+average of the context (docs/evaluation.md). With ``--data`` (the episodes the rollouts were drawn from, their
+poses) frames 17-64 are also split by whether a context frame shows their view (``context_views``' definition).
+
+The folders are ``sample.py`` outputs of the same episodes, context and frames (the same ground truth is
+checked), differing in ``--seed`` (or in anything else whose spread is to be measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from arvdm.errors import USER_ERRORS
+from arvdm.evaluation.baselines import baseline_frames, summed_gradient_ratio
+from arvdm.evaluation.compare import DEFAULT_SPANS, RolloutFileError, generated_frames, read_rollout
+from arvdm.evaluation.holdup import VIEWS_SPAN
+from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
+from arvdm.evaluation.probes import paired_difference
+from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, pose_match_matrix
+from data.atomic import atomic_write_text
+from data.dataset import list_episodes, resolve_split
+from data.episodes import load_episode
+
+__all__ = ["PAIRS", "ensemble_report", "episode_poses", "format_ensemble", "main", "model_mean_psnr"]
+
+#: The paired differences reported for each span: (name, a, b) of the per-frame PSNR curves, a - b.
+PAIRS = (("mean of K - context mean", "mean_of_k", "context_mean"),
+         ("one sample - context mean", "one_sample", "context_mean"),
+         ("mean of K - one sample", "mean_of_k", "one_sample"))
+
+
+def _mse_to_psnr(mse: Tensor, data_range: float = 2.0) -> Tensor:
+    """PSNR in dB from a per-frame MSE of frames in [-1, 1], capped at PSNR_CAP (an MSE of 0 included)."""
+    return (10 * torch.log10(data_range ** 2 / mse.clamp(min=1e-12))).clamp(max=PSNR_CAP)
+
+
+def model_mean_psnr(gen: Tensor, truth: Tensor) -> Tensor:
+    """(B, N) PSNR of the model's own conditional mean, estimated from K samples gen (K, B, N, C, H, W) of the truth
+    (B, N, C, H, W): per pixel (m_K - x)^2 - s^2 / K with s^2 the unbiased variance over the K samples (so
+    E = bias^2: the mean's error as K grows without bound), floored at 0, averaged over C, H, W; capped."""
+    k = gen.shape[0]
+    if k < 2:
+        raise ValueError(f"model_mean_psnr: needs K >= 2 samples to estimate their variance, got {k}")
+    m = gen.mean(0)  # (B, N, C, H, W)
+    bias2 = (m - truth).square() - gen.var(0, unbiased=True) / k  # (B, N, C, H, W)
+    return _mse_to_psnr(bias2.mean(dim=(2, 3, 4)).clamp(min=0))  # (B, N)
+
+
+def _agreement(gen: Tensor) -> Tensor:
+    """(B, N) mean PSNR of every pair of the K samples (K, B, N, C, H, W) against each other, each pair capped."""
+    pairs = [psnr_per_frame(gen[i], gen[j]).clamp(max=PSNR_CAP) for i, j in itertools.combinations(range(len(gen)), 2)]
+    return torch.stack(pairs).mean(0)
+
+
+def episode_poses(data: str | Path, split: str | None, real: Tensor) -> Tensor:
+    """The poses (B, T, 3) of the first B episodes of ``data[/split]``, checked to be the episodes of ``real`` (B, T,
+    C, H, W in [-1, 1], as ``read_rollout`` gives it): their first T frames must equal the rollout's ground truth."""
+    folder = resolve_split(data, split) if split else Path(data)
+    paths = list_episodes(folder)
+    b, t = real.shape[:2]
+    if len(paths) < b:
+        raise RolloutFileError(f"--data {folder}: {len(paths)} episodes, the rollouts hold {b}")
+    poses = []
+    for i, path in enumerate(paths[:b]):
+        ep = load_episode(path)
+        if ep.pose is None:
+            raise RolloutFileError(f"{path}: has no poses (a 'pose' array): frames cannot be split by view")
+        video = np.asarray(ep.video[:t])  # (T, H, W, 3) uint8
+        ours = ((real[i] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        if video.shape != ours.shape or not np.array_equal(video, ours):
+            raise RolloutFileError(f"{path}: its first {t} frames are not episode {i}'s ground truth in the rollouts "
+                                   "(give the --data and --split the rollouts were drawn from)")
+        poses.append(torch.as_tensor(np.asarray(ep.pose[:t]), dtype=torch.float32))
+    return torch.stack(poses)  # (B, T, 3)
+
+
+def _load_all(folders: Sequence[str | Path]) -> tuple[Tensor, Tensor, int]:
+    """(real (B, T, C, H, W), fakes (K, B, T, C, H, W), context) of K >= 2 folders of the same ground truth."""
+    if len(folders) < 2:
+        raise RolloutFileError(f"give at least 2 rollout folders of the same episodes, got {len(folders)}")
+    real, fakes, context = None, [], None
+    for folder in folders:
+        r, f = read_rollout(folder)
+        n = generated_frames(folder)
+        if not 1 <= n < r.shape[1]:
+            raise RolloutFileError(f"{folder}: {n} generated frames, but rollout.npz holds {r.shape[1]} frames in all")
+        if real is None:
+            real, context = r, r.shape[1] - n
+        elif r.shape != real.shape or r.shape[1] - n != context or not torch.equal(r, real):
+            raise RolloutFileError(f"{folder} does not roll out the ground truth of {folders[0]} (shape "
+                                   f"{tuple(r.shape)} / {tuple(real.shape)}, context {r.shape[1] - n} / {context}): "
+                                   "give rollouts of the same episodes, context and frames")
+        fakes.append(f)
+    return real, torch.stack(fakes), context
+
+
+def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, int, int]] = DEFAULT_SPANS,
+                    poses: Tensor | None = None, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """The module docstring's table for K >= 2 sample.py folders of the same episodes; RolloutFileError when they
+    are not comparable. ``poses`` (B, >= T, 3) adds the seen / unseen split of frames 17-64.
+
+    Returns ``{"folders", "k", "episodes", "context", "generated", "spans": [{"span", "start", "end", "one_sample",
+    "mean_of_k", "model_mean", "agreement", "copy_last", "context_mean", "paired": {name: {mean, lo, hi}},
+    "gradient_ratio_one_sample", "gradient_ratio_mean_of_k"}], "context_views": None or {"label", "share_seen",
+    "seen", "unseen"}}`` (PSNR in dB; ``paired`` per ``PAIRS``; ``seen`` / ``unseen`` hold the span means and
+    ``paired`` of their frames, or None when empty).
+    """
+    real, fakes, context = _load_all(folders)
+    k, b, n = fakes.shape[0], real.shape[0], real.shape[1] - context
+    truth, gen = real[:, context:], fakes[:, :, context:]  # (B, N, ...), (K, B, N, ...)
+
+    def psnr(frames: Tensor) -> Tensor:  # (B, N) capped
+        return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP)
+
+    curves = {"one_sample": torch.stack([psnr(g) for g in gen]).mean(0), "mean_of_k": psnr(gen.mean(0)),
+              "model_mean": model_mean_psnr(gen, truth), "agreement": _agreement(gen),
+              "copy_last": psnr(baseline_frames(real, context, n, "copy_last")),
+              "context_mean": psnr(baseline_frames(real, context, n, "context_mean"))}
+    curves = {name: c.double().numpy() for name, c in curves.items()}  # (B, N) each
+    grad_real = spatial_gradient_per_frame(truth)  # (B, N) the ratios' denominator
+    grad_one = [spatial_gradient_per_frame(g) for g in gen]  # K x (B, N)
+    grad_mean = spatial_gradient_per_frame(gen.mean(0))  # (B, N)
+    episode = np.broadcast_to(np.arange(b)[:, None], (b, n))  # (B, N): each frame's episode
+
+    def part(mask: np.ndarray) -> dict[str, Any]:
+        out: dict[str, Any] = {name: float(c[mask].mean()) for name, c in curves.items()}
+        out["paired"] = {name: {key: d[key] for key in ("mean", "lo", "hi")} for name, d in
+                         ((name, paired_difference(curves[a][mask], curves[c][mask], episode[mask], n_boot, seed))
+                          for name, a, c in PAIRS)}
+        return out
+
+    rows = []
+    for name, lo, hi in spans:
+        if lo >= n:
+            continue
+        hi = min(hi, n)
+        mask = np.zeros((b, n), dtype=bool)
+        mask[:, lo:hi] = True
+        sharp = {"gradient_ratio_one_sample": float(np.mean([summed_gradient_ratio(g, grad_real, lo, hi)
+                                                             for g in grad_one])),
+                 "gradient_ratio_mean_of_k": summed_gradient_ratio(grad_mean, grad_real, lo, hi)}
+        rows.append({"span": name, "start": lo, "end": hi, **part(mask), **sharp})
+    views = None
+    lo, hi = VIEWS_SPAN[0], min(VIEWS_SPAN[1], n)
+    if poses is not None and lo < hi:
+        if poses.ndim != 3 or poses.shape[0] != b or poses.shape[1] < context + hi:
+            raise RolloutFileError(f"poses {tuple(poses.shape)} must be (B, >= {context + hi}, 3) for B = {b}")
+        seen = np.zeros((b, n), dtype=bool)  # a context frame shows the view (the revisit tolerances)
+        seen[:, lo:hi] = torch.stack([pose_match_matrix(poses[i, :context + hi], DEFAULT_POS_TOL, DEFAULT_HEADING_TOL)
+                                      [context + lo:, :context].any(dim=1) for i in range(b)]).numpy()
+        span = np.zeros((b, n), dtype=bool)
+        span[:, lo:hi] = True
+        views = {"label": f"{lo + 1}-{hi}", "share_seen": float(seen[:, lo:hi].mean()),
+                 "seen": part(seen) if seen.any() else None,
+                 "unseen": part(span & ~seen) if (span & ~seen).any() else None}
+    return {"folders": [str(f) for f in folders], "k": k, "episodes": b, "context": context, "generated": n,
+            "spans": rows, "context_views": views}
+
+
+def _fmt(d: dict[str, float]) -> str:
+    return f"{d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
+
+
+def format_ensemble(result: dict[str, Any]) -> str:
+    """The report as a few lines of text (what the CLI prints)."""
+    lines = [f"{result['k']} rollouts of {result['episodes']} episodes, {result['context']} context + "
+             f"{result['generated']} generated frames; PSNR dB, differences with a 95% interval (episodes resampled)",
+             f"{'frames':>12}  {'one sample':>10}  {'mean of K':>9}  {'model mean':>10}  {'agreement':>9}  "
+             f"{'copy-last':>9}  {'ctx mean':>8}  {'mean of K - ctx mean':<22}  {'one sample - ctx mean':<22}  "
+             "sharpness one / mean"]
+
+    def row(label: str, r: dict[str, Any]) -> str:
+        p = r["paired"]
+        return (f"{label:>12}  {r['one_sample']:10.2f}  {r['mean_of_k']:9.2f}  {r['model_mean']:10.2f}  "
+                f"{r['agreement']:9.2f}  {r['copy_last']:9.2f}  {r['context_mean']:8.2f}  "
+                f"{_fmt(p[PAIRS[0][0]]):<22}  {_fmt(p[PAIRS[1][0]]):<22}" +
+                (f"  {r['gradient_ratio_one_sample']:.2f} / {r['gradient_ratio_mean_of_k']:.2f}"
+                 if "gradient_ratio_one_sample" in r else ""))
+
+    lines += [row(r["span"], r) for r in result["spans"]]
+    views = result["context_views"]
+    if views is not None:
+        lines.append(f"frames {views['label']} by context views ({views['share_seen']:.0%} seen):")
+        lines += [row(f"{key} {views['label']}", views[key]) for key in ("seen", "unseen") if views[key] is not None]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m arvdm.evaluation.ensemble", description=__doc__.split("\n")[0])
+    p.add_argument("folders", nargs="+",
+                   help="K >= 2 folders written by sample.py for the same episodes (other --seed)")
+    p.add_argument("--data", default=None, help="the episodes the rollouts were drawn from: splits frames 17-64 by "
+                                                "whether a context frame shows their view")
+    p.add_argument("--split", default="validation", help="the split of --data the rollouts used (default validation)")
+    p.add_argument("--boot", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    args = p.parse_args(argv)
+    try:
+        if args.boot < 100:
+            raise RolloutFileError(f"--boot {args.boot}: must be >= 100 for a 95% interval")
+        poses = None
+        if args.data is not None:
+            real, _ = read_rollout(args.folders[0])
+            poses = episode_poses(args.data, args.split, real)
+        result = ensemble_report(args.folders, poses=poses, n_boot=args.boot)
+        if args.json:
+            atomic_write_text(Path(args.json), json.dumps(result, indent=1) + "\n")
+    except USER_ERRORS as e:
+        print(f"ensemble: error: {e}", file=sys.stderr)
+        return 2
+    print(format_ensemble(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
