@@ -214,12 +214,13 @@ def plot_drift(result: dict[str, Any], path: str | Path) -> Path:
         lo = np.array([r["psnr"][mode]["lo"] for r in result["rows"]])
         hi = np.array([r["psnr"][mode]["hi"] for r in result["rows"]])
         ax.errorbar(ks, mean, yerr=[mean - lo, hi - mean], fmt=style, capsize=3, label=f"memory by {mode}")
-    for ref, style in (("copy_last", "gray"), ("oracle", "green")):
-        ax.axhline(result["rows"][0]["psnr"][ref]["mean"], color=style, lw=1, ls="-.", label=ref.replace("_", "-"))
+    for ref, color, label in (("copy_last", "gray", "copy-last (the true frame t-1)"),
+                              ("oracle", "black", "oracle (the true frame s)")):
+        ax.axhline(result["rows"][0]["psnr"][ref]["mean"], color=color, lw=1, ls="-.", label=label)
     ax.set_xlabel("frames the model drew itself before the revisit (k)")
     ax.set_ylabel("PSNR of the revisit frame (dB)")
     ax.set_title(f"{result['probes']} revisit probes, {result['events']} events", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     path = Path(path)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
