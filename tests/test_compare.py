@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from arvdm.evaluation.compare import RolloutFileError, compare_rollouts, main
+from arvdm.evaluation.compare import RolloutFileError, compare_rollouts, format_comparison, main
 from arvdm.evaluation.metrics import write_metrics_csv
 
 EPISODES, CONTEXT, T, SIZE = 3, 4, 40, 8
@@ -55,9 +55,32 @@ def test_a_minus_b_is_the_known_difference_by_span_and_on_revisits(tmp_path):
     rv = r["revisits"]
     assert (rv["probes"], rv["events"]) == (len(RETURNS) * EPISODES, len(RETURNS) * EPISODES)
     assert rv["a_minus_b"]["mean"] == pytest.approx(known, abs=1e-4)
+    # every return shows frame 1's view, which a context frame shows: the whole set is in the context part
+    ctx, gen = rv["by_source"]["context"], rv["by_source"]["generated"]
+    assert (ctx["probes"], ctx["events"], ctx["too_few"]) == (12, 12, False)
+    assert ctx["a_minus_b"]["mean"] == pytest.approx(known, abs=1e-4)
+    assert (gen["probes"], gen["too_few"]) == (0, True) and "a_minus_b" not in gen
     # B against A: the sign flips
     assert compare_rollouts(tmp_path / "b", tmp_path / "a", n_boot=200)["spans"][0]["a_minus_b"]["mean"] == \
         pytest.approx(-known, abs=1e-4)
+
+
+def test_revisits_split_by_whether_a_context_frame_shows_the_view(tmp_path):
+    """Returns to generated frame 8 (4 per episode, 12 events) and one return per episode to context frame 1 (3
+    events, too few to read): each part is paired on its own probes."""
+    rng = np.random.default_rng(3)
+    real = rng.integers(50, 200, (EPISODES, T, SIZE, SIZE, 3), dtype=np.uint8)
+    for r in (16, 24, 32, 39):
+        real[:, r] = real[:, 8]
+    real[:, 12] = real[:, 1]
+    write_rollout(tmp_path / "a", real, 10)
+    write_rollout(tmp_path / "b", real, 20)
+    rv = compare_rollouts(tmp_path / "a", tmp_path / "b", n_boot=200)["revisits"]
+    ctx, gen = rv["by_source"]["context"], rv["by_source"]["generated"]
+    assert (rv["probes"], gen["probes"], gen["events"], ctx["probes"], ctx["events"]) == (15, 12, 12, 3, 3)
+    assert gen["a_minus_b"]["mean"] == pytest.approx(20 * math.log10(2), abs=1e-4) and ctx["too_few"]
+    assert "only drawn frames do (12 probes, 12 events)" in format_comparison(
+        compare_rollouts(tmp_path / "a", tmp_path / "b", n_boot=200))
 
 
 def test_a_flat_rollout_has_no_sharpness(tmp_path):

@@ -15,8 +15,10 @@ sharpness (the spatial-gradient ratio generated / true, summed over the span's f
 definition; ~1 sharp, falling with blur), and **A − B** with a 95% bootstrap interval that resamples episodes with
 their frames pooled (``paired_difference`` with the episode as the event): the way every "paired" figure of the
 README is computed. On the revisit probes (generated frames
-only memory can supply, ``revisit_score``) A − B is paired probe by probe, events resampled. Per-frame PSNRs are
-capped at ``PSNR_CAP``.
+only memory can supply, ``revisit_score``) A − B is paired probe by probe, events resampled, in all and split by
+whether a true context frame shows the view (at the probes' 25 dB threshold: memory can hold the truth) or only
+frames the rollout drew do.
+Per-frame PSNRs are capped at ``PSNR_CAP``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import Tensor
 from arvdm.errors import USER_ERRORS, ArvdmError
 from arvdm.evaluation.baselines import baseline_frames, summed_gradient_ratio
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
-from arvdm.evaluation.probes import MIN_EVENTS, paired_difference
+from arvdm.evaluation.probes import DEFAULT_PSNR_THRESHOLD, MIN_EVENTS, paired_difference
 from arvdm.evaluation.revisit_score import revisit_score
 from data.atomic import atomic_write_text
 
@@ -105,7 +107,8 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
 
     Returns ``{"a", "b", "episodes", "context", "generated", "spans": [{"span", "start", "end", "a", "b",
     "copy_last", "context_mean", "a_minus_b": {mean, lo, hi}, "gradient_ratio_a", "gradient_ratio_b"}],
-    "revisits": {"probes", "events", "recent", "a", "b", "a_minus_b"} or {"probes", "events", "recent",
+    "revisits": {"probes", "events", "recent", "a", "b", "a_minus_b", "by_source": {"context" | "generated":
+    {"probes", "events", "too_few", "a", "b", "a_minus_b"}}} or {"probes", "events", "recent",
     "too_few": True}}``.
     """
     real_a, fake_a, ctx_a = _load(a)
@@ -149,9 +152,27 @@ def _paired_revisits(real: Tensor, fake_a: Tensor, fake_b: Tensor, context: int,
         return {"probes": sa["probes"], "events": sa["events"], "recent": recent, "too_few": True}
     sb = revisit_score(fake_b[:, context:], real, context, recent=recent, per_probe=True, n_boot=n_boot, seed=seed)
     pa, pb = sa["per_probe"], sb["per_probe"]  # the same probes: they depend on the ground truth only
-    diff = paired_difference(pa["model"], pb["model"], np.asarray(pa["event"]), n_boot=n_boot, seed=seed)
+    a, b, events = np.asarray(pa["model"]), np.asarray(pb["model"]), np.asarray(pa["event"])
+    diff = paired_difference(a, b, events, n_boot=n_boot, seed=seed)
+    # where a true context frame shows the view (memory can hold the truth), and where only frames the rollout drew do
+    in_context = np.array([_context_shows(real[b_, :context], real[b_, t]) for b_, t in zip(pa["b"], pa["t"])],
+                          dtype=bool)
+    by_source = {}
+    for name, mask in (("context", in_context), ("generated", ~in_context)):
+        n_events = len(set(events[mask].tolist()))
+        part: dict[str, Any] = {"probes": int(mask.sum()), "events": n_events, "too_few": n_events < MIN_EVENTS}
+        if not part["too_few"]:
+            d = paired_difference(a[mask], b[mask], events[mask], n_boot=n_boot, seed=seed)
+            part.update(a=d["mean_a"], b=d["mean_b"], a_minus_b=_interval(d))
+        by_source[name] = part
     return {"probes": sa["probes"], "events": sa["events"], "recent": recent, "a": diff["mean_a"],
-            "b": diff["mean_b"], "a_minus_b": _interval(diff)}
+            "b": diff["mean_b"], "a_minus_b": _interval(diff), "by_source": by_source}
+
+
+def _context_shows(context: Tensor, frame: Tensor) -> bool:
+    """Whether some frame of context (C, ch, H, W) matches frame (ch, H, W) at the memory probes' PSNR threshold."""
+    psnr = psnr_per_frame(context[None].float(), frame[None, None].expand_as(context[None]).float())  # (1, C)
+    return bool((psnr >= DEFAULT_PSNR_THRESHOLD).any())
 
 
 def _fmt(d: dict[str, float]) -> str:
@@ -175,6 +196,11 @@ def format_comparison(result: dict[str, Any]) -> str:
     else:
         lines.append(f"revisits ({rv['probes']} probes, {rv['events']} events, recent {rv['recent']}): "
                      f"A {rv['a']:.2f}, B {rv['b']:.2f}, A - B {_fmt(rv['a_minus_b'])} (events resampled)")
+        for name, label in (("context", "a context frame shows the view"), ("generated", "only drawn frames do")):
+            part = rv["by_source"][name]
+            head = f"  {label} ({part['probes']} probes, {part['events']} events)"
+            lines.append(f"{head}: fewer than {MIN_EVENTS} events, not read" if part["too_few"] else
+                         f"{head}: A {part['a']:.2f}, B {part['b']:.2f}, A - B {_fmt(part['a_minus_b'])}")
     return "\n".join(lines)
 
 

@@ -30,9 +30,9 @@ def revisit_score(gen: Tensor, real: Tensor, context: int, recent: int, poses: T
                   n_boot: int = 1000, seed: int = 0, per_probe: bool = False) -> dict[str, Any]:
     """Model / copy-last / oracle PSNR on the memory probes of a rollout, with intervals and a verdict in words.
 
-    ``per_probe``: also return ``"per_probe"``, {"b", "t", "event", "model"} lists (episode, frame, event id and the
-    model's PSNR of every probe), so that two rollouts of the same episodes can be paired probe by probe
-    (``arvdm.experiments.paired``)."""
+    ``per_probe``: also return ``"per_probe"``, {"b", "t", "s", "event", "model"} lists (episode, frame, its matching
+    earlier frame, event id and the model's PSNR of every probe; t and s count from the episode's first frame), so
+    that two rollouts of the same episodes can be paired probe by probe (``arvdm.experiments.paired``)."""
     n = gen.shape[1]
     if real.shape[1] < context + n or context < 1:
         raise ValueError(f"revisit_score: real has {real.shape[1]} frames, need context ({context} >= 1) + "
@@ -63,7 +63,8 @@ def revisit_score(gen: Tensor, real: Tensor, context: int, recent: int, poses: T
                f"{vs_copy['hi']:+.2f}]), oracle {oracle.mean():.2f} dB"
                + (f"; the model closes {closes:.0%} of the oracle's gap" if closes is not None else "")
                + ("" if helps else "; memory does NOT help on these revisits (the model does not beat copy-last)"))
-    extra = {"per_probe": {"b": [p.b for p in probes], "t": [p.t for p in probes], "event": ids,
+    extra = {"per_probe": {"b": [p.b for p in probes], "t": [p.t for p in probes], "s": [p.s for p in probes],
+                           "event": ids,
                            "model": model.tolist()}} if per_probe else {}
     return {**extra, "probes": len(probes), "events": events, "recent": recent,
             "model": pooled_rate(model, ids, n_boot=n_boot, seed=seed),
