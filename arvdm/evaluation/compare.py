@@ -43,7 +43,8 @@ from arvdm.evaluation.probes import DEFAULT_PSNR_THRESHOLD, MIN_EVENTS, paired_d
 from arvdm.evaluation.revisit_score import revisit_score
 from data.atomic import atomic_write_text
 
-__all__ = ["DEFAULT_SPANS", "RolloutFileError", "compare_rollouts", "generated_frames", "main", "read_rollout"]
+__all__ = ["DEFAULT_SPANS", "RolloutFileError", "compare_rollouts", "generated_frames", "load_rollout", "main",
+           "read_rollout"]
 
 #: Spans of generated frames (0-based, end exclusive) and their names: issue 21's first frames, 17-64 and 65-120.
 DEFAULT_SPANS: tuple[tuple[str, int, int], ...] = (("first 1", 0, 1), ("first 4", 0, 4), ("5-16", 4, 16),
@@ -88,7 +89,9 @@ def generated_frames(folder: str | Path) -> int:
                            "or the latter)")
 
 
-def _load(folder: str | Path) -> tuple[Tensor, Tensor, int]:
+def load_rollout(folder: str | Path) -> tuple[Tensor, Tensor, int]:
+    """(real, fake, context) of a sample.py folder: ``read_rollout``'s videos and the number of context frames
+    (all frames minus ``generated_frames``); RolloutFileError when they do not add up."""
     real, fake = read_rollout(folder)
     n = generated_frames(folder)
     if not 1 <= n < real.shape[1]:
@@ -111,8 +114,8 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
     {"probes", "events", "too_few", "a", "b", "a_minus_b"}}} or {"probes", "events", "recent",
     "too_few": True}}``.
     """
-    real_a, fake_a, ctx_a = _load(a)
-    real_b, fake_b, ctx_b = _load(b)
+    real_a, fake_a, ctx_a = load_rollout(a)
+    real_b, fake_b, ctx_b = load_rollout(b)
     if real_a.shape != real_b.shape or ctx_a != ctx_b or not torch.equal(real_a, real_b):
         raise RolloutFileError(f"{a} and {b} do not roll out the same ground truth (shapes {tuple(real_a.shape)} / "
                                f"{tuple(real_b.shape)}, context {ctx_a} / {ctx_b}): compare rollouts of the same "

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.baselines import baseline_frames, summed_gradient_ratio
-from arvdm.evaluation.compare import DEFAULT_SPANS, RolloutFileError, generated_frames, read_rollout
+from arvdm.evaluation.compare import DEFAULT_SPANS, RolloutFileError, load_rollout, read_rollout
 from arvdm.evaluation.holdup import VIEWS_SPAN
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
 from arvdm.evaluation.probes import paired_difference
@@ -114,15 +114,12 @@ def _load_all(folders: Sequence[str | Path]) -> tuple[Tensor, Tensor, int]:
         raise RolloutFileError(f"give at least 2 rollout folders of the same episodes, got {len(folders)}")
     real, fakes, context = None, [], None
     for folder in folders:
-        r, f = read_rollout(folder)
-        n = generated_frames(folder)
-        if not 1 <= n < r.shape[1]:
-            raise RolloutFileError(f"{folder}: {n} generated frames, but rollout.npz holds {r.shape[1]} frames in all")
+        r, f, c = load_rollout(folder)
         if real is None:
-            real, context = r, r.shape[1] - n
-        elif r.shape != real.shape or r.shape[1] - n != context or not torch.equal(r, real):
+            real, context = r, c
+        elif r.shape != real.shape or c != context or not torch.equal(r, real):
             raise RolloutFileError(f"{folder} does not roll out the ground truth of {folders[0]} (shape "
-                                   f"{tuple(r.shape)} / {tuple(real.shape)}, context {r.shape[1] - n} / {context}): "
+                                   f"{tuple(r.shape)} / {tuple(real.shape)}, context {c} / {context}): "
                                    "give rollouts of the same episodes, context and frames")
         fakes.append(f)
     return real, torch.stack(fakes), context
