@@ -8,26 +8,17 @@ import json
 
 import numpy as np
 import pytest
+import test_memory_probe_test
 import torch
-from test_memory_probe_test import RECENT, REVISITS, VIEWS, K, _model, _write_episodes
+from test_memory_probe_test import RECENT, REVISITS, VIEWS
 
 from arvdm.config import SamplingError
 from arvdm.evaluation.metrics import psnr_per_frame
 from arvdm.experiments import memory_drift_test as mdt
 from arvdm.experiments import memory_probe_test as mpt
-from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
-from arvdm.schedules.presets import get_schedule
 
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = _write_episodes(tmp_path_factory.mktemp("episodes"))
-    model, cfg = _model()
-    eps = mpt.load_episodes(root, None, 16)
-    diffusion = PerFrameDiffusion(cfg.diffusion)
-    schedule = get_schedule("chunked", cfg.train.window, K, steps=2)
-    return model, cfg, eps, diffusion, schedule, root
+setup = test_memory_probe_test.setup  # the teacher-forced test's fixture: model, cfg, episodes, diffusion, ...
 
 
 def test_probes_keep_a_true_remembered_view_at_every_drift(setup):

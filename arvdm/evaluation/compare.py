@@ -39,7 +39,7 @@ from torch import Tensor
 from arvdm.errors import USER_ERRORS, ArvdmError
 from arvdm.evaluation.baselines import baseline_frames, summed_gradient_ratio
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
-from arvdm.evaluation.probes import DEFAULT_PSNR_THRESHOLD, MIN_EVENTS, paired_difference
+from arvdm.evaluation.probes import DEFAULT_PSNR_THRESHOLD, MIN_EVENTS, format_interval, paired_difference
 from arvdm.evaluation.revisit_score import revisit_score
 from data.atomic import atomic_write_text
 
@@ -178,10 +178,6 @@ def _context_shows(context: Tensor, frame: Tensor) -> bool:
     return bool((psnr >= DEFAULT_PSNR_THRESHOLD).any())
 
 
-def _fmt(d: dict[str, float]) -> str:
-    return f"{d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
-
-
 def format_comparison(result: dict[str, Any]) -> str:
     """The comparison as a few lines of text (what the CLI prints)."""
     lines = [f"A = {result['a']}", f"B = {result['b']}",
@@ -190,7 +186,8 @@ def format_comparison(result: dict[str, Any]) -> str:
              f"{'frames':>8}  {'A':>6}  {'B':>6}  {'copy-last':>9}  {'ctx mean':>8}  {'A - B':<22}  sharpness A / B"]
     for r in result["spans"]:
         lines.append(f"{r['span']:>8}  {r['a']:6.2f}  {r['b']:6.2f}  {r['copy_last']:9.2f}  {r['context_mean']:8.2f}  "
-                     f"{_fmt(r['a_minus_b']):<22}  {r['gradient_ratio_a']:.2f} / {r['gradient_ratio_b']:.2f}")
+                     f"{format_interval(r['a_minus_b']):<22}  "
+                     f"{r['gradient_ratio_a']:.2f} / {r['gradient_ratio_b']:.2f}")
     rv = result["revisits"]
     if rv is None:
         pass
@@ -198,12 +195,12 @@ def format_comparison(result: dict[str, Any]) -> str:
         lines.append(f"revisits: {rv['probes']} probes in {rv['events']} events (fewer than {MIN_EVENTS}): not read")
     else:
         lines.append(f"revisits ({rv['probes']} probes, {rv['events']} events, recent {rv['recent']}): "
-                     f"A {rv['a']:.2f}, B {rv['b']:.2f}, A - B {_fmt(rv['a_minus_b'])} (events resampled)")
+                     f"A {rv['a']:.2f}, B {rv['b']:.2f}, A - B {format_interval(rv['a_minus_b'])} (events resampled)")
         for name, label in (("context", "a context frame shows the view"), ("generated", "only drawn frames do")):
             part = rv["by_source"][name]
             head = f"  {label} ({part['probes']} probes, {part['events']} events)"
             lines.append(f"{head}: fewer than {MIN_EVENTS} events, not read" if part["too_few"] else
-                         f"{head}: A {part['a']:.2f}, B {part['b']:.2f}, A - B {_fmt(part['a_minus_b'])}")
+                         f"{head}: A {part['a']:.2f}, B {part['b']:.2f}, A - B {format_interval(part['a_minus_b'])}")
     return "\n".join(lines)
 
 

@@ -47,10 +47,9 @@ from torch import Tensor
 from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.baselines import baseline_frames, summed_gradient_ratio
 from arvdm.evaluation.compare import DEFAULT_SPANS, RolloutFileError, load_rollout, read_rollout
-from arvdm.evaluation.holdup import VIEWS_SPAN
+from arvdm.evaluation.holdup import VIEWS_SPAN, context_view_mask
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
-from arvdm.evaluation.probes import paired_difference
-from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, pose_match_matrix
+from arvdm.evaluation.probes import format_interval, paired_difference
 from data.atomic import atomic_write_text
 from data.dataset import list_episodes, resolve_split
 from data.episodes import load_episode
@@ -143,14 +142,15 @@ def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, in
     def psnr(frames: Tensor) -> Tensor:  # (B, N) capped
         return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP)
 
-    curves = {"one_sample": torch.stack([psnr(g) for g in gen]).mean(0), "mean_of_k": psnr(gen.mean(0)),
+    mean_k = gen.mean(0)  # (B, N, C, H, W) the per-pixel mean of the K samples
+    curves = {"one_sample": torch.stack([psnr(g) for g in gen]).mean(0), "mean_of_k": psnr(mean_k),
               "model_mean": model_mean_psnr(gen, truth), "agreement": _agreement(gen),
               "copy_last": psnr(baseline_frames(real, context, n, "copy_last")),
               "context_mean": psnr(baseline_frames(real, context, n, "context_mean"))}
     curves = {name: c.double().numpy() for name, c in curves.items()}  # (B, N) each
     grad_real = spatial_gradient_per_frame(truth)  # (B, N) the ratios' denominator
     grad_one = [spatial_gradient_per_frame(g) for g in gen]  # K x (B, N)
-    grad_mean = spatial_gradient_per_frame(gen.mean(0))  # (B, N)
+    grad_mean = spatial_gradient_per_frame(mean_k)  # (B, N)
     episode = np.broadcast_to(np.arange(b)[:, None], (b, n))  # (B, N): each frame's episode
 
     def part(mask: np.ndarray) -> dict[str, Any]:
@@ -174,11 +174,11 @@ def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, in
     views = None
     lo, hi = VIEWS_SPAN[0], min(VIEWS_SPAN[1], n)
     if poses is not None and lo < hi:
-        if poses.ndim != 3 or poses.shape[0] != b or poses.shape[1] < context + hi:
-            raise RolloutFileError(f"poses {tuple(poses.shape)} must be (B, >= {context + hi}, 3) for B = {b}")
-        seen = np.zeros((b, n), dtype=bool)  # a context frame shows the view (the revisit tolerances)
-        seen[:, lo:hi] = torch.stack([pose_match_matrix(poses[i, :context + hi], DEFAULT_POS_TOL, DEFAULT_HEADING_TOL)
-                                      [context + lo:, :context].any(dim=1) for i in range(b)]).numpy()
+        seen = np.zeros((b, n), dtype=bool)  # a context frame shows the view (context_views' definition)
+        try:
+            seen[:, lo:hi] = context_view_mask(poses, b, context, lo, hi)
+        except ValueError as e:
+            raise RolloutFileError(str(e)) from None
         span = np.zeros((b, n), dtype=bool)
         span[:, lo:hi] = True
         views = {"label": f"{lo + 1}-{hi}", "share_seen": float(seen[:, lo:hi].mean()),
@@ -186,10 +186,6 @@ def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, in
                  "unseen": part(span & ~seen) if (span & ~seen).any() else None}
     return {"folders": [str(f) for f in folders], "k": k, "episodes": b, "context": context, "generated": n,
             "spans": rows, "context_views": views}
-
-
-def _fmt(d: dict[str, float]) -> str:
-    return f"{d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
 
 
 def format_ensemble(result: dict[str, Any]) -> str:
@@ -204,7 +200,7 @@ def format_ensemble(result: dict[str, Any]) -> str:
         p = r["paired"]
         return (f"{label:>12}  {r['one_sample']:10.2f}  {r['mean_of_k']:9.2f}  {r['model_mean']:10.2f}  "
                 f"{r['agreement']:9.2f}  {r['copy_last']:9.2f}  {r['context_mean']:8.2f}  "
-                f"{_fmt(p[PAIRS[0][0]]):<22}  {_fmt(p[PAIRS[1][0]]):<22}" +
+                f"{format_interval(p[PAIRS[0][0]]):<22}  {format_interval(p[PAIRS[1][0]]):<22}" +
                 (f"  {r['gradient_ratio_one_sample']:.2f} / {r['gradient_ratio_mean_of_k']:.2f}"
                  if "gradient_ratio_one_sample" in r else ""))
 

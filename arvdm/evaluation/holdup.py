@@ -36,7 +36,7 @@ from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, summarise_by_span
 from arvdm.evaluation.probes import paired_difference, pooled_rate
 from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, check_poses, pose_match_matrix
 
-__all__ = ["context_views", "hold_up", "hold_up_horizon", "span_differences"]
+__all__ = ["context_view_mask", "context_views", "hold_up", "hold_up_horizon", "span_differences"]
 
 #: The generated frames `context_views` splits by default (0-based, end exclusive): frames 17-64, issue 21's span.
 VIEWS_SPAN = (16, 64)
@@ -128,6 +128,20 @@ def context_views(gen: Tensor, real: Tensor, context: int, poses: Tensor, start:
     return _split_by_context_views(model, base, context, poses, start, end, pos_tol, heading_tol, n_boot, seed)
 
 
+def context_view_mask(poses: Tensor, b: int, context: int, start: int, end: int, pos_tol: float = DEFAULT_POS_TOL,
+                      heading_tol: float = DEFAULT_HEADING_TOL) -> np.ndarray:
+    """(B, end - start) bool: whether some context frame shows the view of generated frame start..end-1 (0-based)
+    of each of the b episodes, by the revisit definition of the same view (``pose_match_matrix``); poses (B, >=
+    context + end, 3). Raises ValueError on poses of another shape."""
+    p = check_poses(poses, "context_views")
+    if p.ndim != 3 or p.shape[0] != b or p.shape[1] < context + end:
+        raise ValueError(f"context_views: poses {tuple(p.shape)} must be (B, >= {context + end}, 3) for B = {b} "
+                         "episodes")
+    # rows: the span, columns: the context
+    return torch.stack([pose_match_matrix(p[i, :context + end], pos_tol, heading_tol)[context + start:, :context]
+                        .any(dim=1) for i in range(b)]).cpu().numpy()
+
+
 def _split_by_context_views(model: Tensor, base: Tensor, context: int, poses: Tensor, start: int, end: int,
                             pos_tol: float, heading_tol: float, n_boot: int, seed: int) -> dict[str, Any] | None:
     """`context_views` from the per-frame PSNR (B, N) of the model and of context-mean (`hold_up` has them)."""
@@ -135,13 +149,7 @@ def _split_by_context_views(model: Tensor, base: Tensor, context: int, poses: Te
     end = min(end, n)
     if not 0 <= start < end:
         return None
-    p = check_poses(poses, "context_views")
-    if p.ndim != 3 or p.shape[0] != b or p.shape[1] < context + n:
-        raise ValueError(f"context_views: poses {tuple(p.shape)} must be (B, >= {context + n}, 3) for B = {b} "
-                         "episodes")
-    # the revisit definition of "the same view" (arvdm.evaluation.revisits), rows: the span, columns: the context
-    seen = torch.stack([pose_match_matrix(p[i, :context + end], pos_tol, heading_tol)[context + start:, :context]
-                        .any(dim=1) for i in range(b)]).cpu().numpy()  # (B, S)
+    seen = context_view_mask(poses, b, context, start, end, pos_tol, heading_tol)  # (B, S)
     model, base = model[:, start:end].cpu().numpy(), base[:, start:end].cpu().numpy()  # (B, S) each
     episode = np.broadcast_to(np.arange(b)[:, None], seen.shape)  # (B, S): each frame's episode
 

@@ -27,7 +27,7 @@ Everything is deterministic given ``seed``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ __all__ = [
     "MIN_EVENTS",
     "MemoryProbe",
     "binned",
+    "format_interval",
     "gaps",
     "memory_probes",
     "memory_probes_batch",
@@ -294,6 +295,11 @@ def paired_difference(a: Any, b: Any, event_ids: Any, n_boot: int = 1000, seed: 
         raise ValueError(f"paired_difference: a has {a_v.size} values, b has {b_v.size} (need the same probes)")
     out = pooled_rate(a_v - b_v, event_ids, n_boot, seed, level)
     return {**out, "mean_a": float(a_v.mean()), "mean_b": float(b_v.mean())}
+
+
+def format_interval(d: Mapping[str, Any]) -> str:
+    """A difference with its interval, as the reports print it: ``+0.91 [+0.50, +1.30]`` from ``{mean, lo, hi}``."""
+    return f"{d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
 
 
 def binned(values: Any, event_ids: Any, gap: Any, bins: Sequence[tuple[float, float]] = DEFAULT_BINS,

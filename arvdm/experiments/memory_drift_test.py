@@ -41,8 +41,8 @@ from tqdm import tqdm
 from arvdm.config import SampleSettings, SamplingError
 from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
-from arvdm.evaluation.probes import MIN_EVENTS, memory_probes, paired_difference, pooled_rate
-from arvdm.experiments.memory_probe_test import load_episodes, probe_seed
+from arvdm.evaluation.probes import MIN_EVENTS, format_interval, memory_probes, paired_difference, pooled_rate
+from arvdm.experiments.memory_probe_test import keep_every, load_episodes, probe_seed
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.runs import load_for_inference
@@ -89,12 +89,7 @@ def drift_probes(eps: list[dict[str, Any]], recent: int, max_free: int, stride: 
         for p in memory_probes(ep["video"], ep["pose"], recent, first_event=first, b=e):
             if p.s < p.t - max_free and p.t - max_free >= 1:
                 out.append(DriftProbe(e, p.t, p.s, p.event))
-    if stride > 1:
-        start: dict[int, int] = {}
-        for p in out:
-            start.setdefault(p.event, p.t)
-        out = [p for p in out if (p.t - start[p.event]) % stride == 0]
-    return out
+    return keep_every(out, stride)
 
 
 @torch.no_grad()
@@ -181,10 +176,6 @@ def _verdict(rows: list[dict[str, Any]]) -> str:
 
 def format_drift(result: dict[str, Any]) -> str:
     """The test as a few lines of text (what the CLI prints)."""
-
-    def iv(d: dict[str, Any]) -> str:
-        return f"{d['mean']:+.2f} [{d['lo']:+.2f}, {d['hi']:+.2f}]"
-
     lines = [f"{result['probes']} probes in {result['events']} events ({result['episodes']} episodes, stride "
              f"{result['stride']}); PSNR dB; copy-last {result['rows'][0]['psnr']['copy_last']['mean']:.2f}, oracle "
              f"{result['rows'][0]['psnr']['oracle']['mean']:.2f}",
@@ -193,8 +184,8 @@ def format_drift(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         p, d = r["psnr"], r["paired"]
         lines.append(f"{r['free']:>6}  {p['pose']['mean']:6.2f}  {p['time']['mean']:6.2f}  {p['none']['mean']:6.2f}  "
-                     f"{iv(d['pose_minus_time']):<22}  {iv(d['pose_minus_none']):<22}  "
-                     f"{iv(d['pose_minus_copy_last']):<22}  {iv(d['pose_minus_pose_at_0'])}")
+                     f"{format_interval(d['pose_minus_time']):<22}  {format_interval(d['pose_minus_none']):<22}  "
+                     f"{format_interval(d['pose_minus_copy_last']):<22}  {format_interval(d['pose_minus_pose_at_0'])}")
     lines.append(result["verdict"])
     return "\n".join(lines)
 

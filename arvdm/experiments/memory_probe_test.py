@@ -68,7 +68,7 @@ from data.dataset import list_episodes, resolve_split, to_float_video
 from data.episodes import load_episode, read_turns
 from memory import MemoryFrames, PoseBank
 
-__all__ = ["MODES", "SETS", "TFProbe", "find_probe_sets", "generate_probe_frames", "load_episodes",
+__all__ = ["MODES", "SETS", "TFProbe", "find_probe_sets", "generate_probe_frames", "keep_every", "load_episodes",
            "memory_probe_test", "probe_noise", "probe_seed", "reference_scores", "run_memory_probe_test",
            "summarise_set"]
 
@@ -143,13 +143,18 @@ def find_probe_sets(eps: list[dict[str, Any]], recent: int, stride: int = 1) -> 
         if ep["turns"].shape[0] >= 2:  # look-around: the second turn, one event
             lo, hi = (int(v) for v in ep["turns"][1])
             sets["second_turn"] += [TFProbe(e, t, nxt["second_turn"]) for t in range(max(lo, recent + 1), hi)]
-    if stride > 1:
-        for name, probes in sets.items():
-            first = {}
-            for p in probes:
-                first.setdefault(p.event, p.t)
-            sets[name] = [p for p in probes if (p.t - first[p.event]) % stride == 0]
-    return sets
+    return {name: keep_every(probes, stride) for name, probes in sets.items()}
+
+
+def keep_every(probes: list, stride: int) -> list:
+    """Every ``stride``-th probe of each event (probes with ``.t`` and ``.event``, sorted by t within an event), its
+    first always kept, so no event is lost."""
+    if stride <= 1:
+        return list(probes)
+    first: dict[int, int] = {}
+    for p in probes:
+        first.setdefault(p.event, p.t)
+    return [p for p in probes if (p.t - first[p.event]) % stride == 0]
 
 
 def _events(probes: list[TFProbe]) -> int:
