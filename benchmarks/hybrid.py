@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -50,6 +49,7 @@ from arvdm.pipeline.rollout import rollout  # noqa: E402
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes  # noqa: E402
 from arvdm.schedules import get_schedule  # noqa: E402
 from benchmarks.common import interleaved, median, print_table, set_threads  # noqa: E402
+from data.atomic import atomic_write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
              f"{statistics.mean(q['hybrid']['ssim']) - statistics.mean(q['base']['ssim']):+.4f}"]])
         figures["quality"] = dict(q, psnr_loss=loss, ci_half_width=half, frames=n, context=ctx)
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2, default=str))
+        atomic_write_json(args.json, figures, indent=2, default=str)
     return 0
 
 

@@ -33,7 +33,6 @@ exact law (tests/test_speculative_rollout.py). Writes ``speculation.json`` and t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -59,7 +58,7 @@ from arvdm.speculative.rows import (  # noqa: E402
     tile_state,
 )
 from benchmarks.common import Lockstep, interleaved, print_table, set_threads  # noqa: E402
-from data.atomic import atomic_write, atomic_write_text  # noqa: E402
+from data.atomic import atomic_write, atomic_write_json  # noqa: E402
 
 MODEL_RATIOS = (0.0, 0.25, 0.5, 1.0)  # batch-cost ratios R of the modelled rows per cost of the fixed arms
 
@@ -424,8 +423,7 @@ def plot_acceptance(results: dict, path: Path) -> Path:
 def write_outputs(out: Path, args, results: dict[str, dict[str, Any]], out_json: dict[str, dict[str, Any]],
                   bandits: list[str], schedule_name: str, extra: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "speculation.json", json.dumps({"args": vars(args), **extra, "results": out_json},
-                                                           indent=1))
+    atomic_write_json(out / "speculation.json", {"args": vars(args), **extra, "results": out_json})
     panels = {n: results[n]["specs"] for n in bandits}
     if panels:
         plot_arms(panels, out / "speculation_arms.png", f"{schedule_name}, {args.steps} steps, eta {args.eta}")

@@ -4,11 +4,13 @@ A file is written under a hidden temporary name in its own folder, flushed to di
 place: a reader (or a crash) sees either the old file, nothing, or the complete new one, never half of it.
 
     atomic_write(path, lambda tmp: np.savez(tmp, **arrays))
-    atomic_write_text(path, json.dumps(obj))
+    atomic_write_text(path, text)
+    atomic_write_json(path, result)          # indented JSON + newline
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -48,3 +50,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     path = Path(path)
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8", newline=""))
     return path
+
+
+def atomic_write_json(path: str | os.PathLike, obj, indent: int | None = 1, default=None) -> Path:
+    """``obj`` as JSON (``indent``, ``default`` as for ``json.dumps``) plus a newline, written with `atomic_write_text`:
+    the one way a report, cache or plan reaches disk."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent, default=default) + "\n")

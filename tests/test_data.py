@@ -380,3 +380,19 @@ def test_storage_compression_is_not_part_of_a_data_sets_identity(tmp_path):
     _check_root(tmp_path, GenerateSpec("crafter", 4, 40, 16, 0, "revisit", False))
     with pytest.raises(GenerateError, match="seed=0"):
         _check_root(tmp_path, GenerateSpec("crafter", 4, 40, 16, 1, "revisit", True))
+
+
+def test_atomic_write_json_keeps_the_old_file_when_the_object_cannot_be_written(tmp_path):
+    """The report writer every CLI uses: indented JSON and a newline; an object json cannot encode raises before the
+    rename, so the previous file stays whole and no temp file is left."""
+    import json
+
+    from data.atomic import atomic_write_json
+
+    path = atomic_write_json(tmp_path / "r.json", {"a": [1, 2]})
+    assert path.read_text() == '{\n "a": [\n  1,\n  2\n ]\n}\n' and json.loads(path.read_text()) == {"a": [1, 2]}
+    with pytest.raises(TypeError):
+        atomic_write_json(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": [1, 2]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+    assert json.loads(atomic_write_json(path, {"p": tmp_path}, default=str).read_text()) == {"p": str(tmp_path)}

@@ -41,7 +41,7 @@ from arvdm.evaluation.baselines import baseline_frames, summed_gradient_ratio
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
 from arvdm.evaluation.probes import DEFAULT_PSNR_THRESHOLD, MIN_EVENTS, format_interval, paired_difference
 from arvdm.evaluation.revisit_score import revisit_score
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_json
 
 __all__ = ["DEFAULT_SPANS", "RolloutFileError", "compare_rollouts", "generated_frames", "load_rollout", "main",
            "read_rollout"]
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RolloutFileError(f"--boot {args.boot}: must be >= 100 for a 95% interval")
         result = compare_rollouts(args.a, args.b, recent=args.recent, n_boot=args.boot)
         if args.json:
-            atomic_write_text(Path(args.json), json.dumps(result, indent=1) + "\n")
+            atomic_write_json(args.json, result)
     except USER_ERRORS as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,7 +49,7 @@ from arvdm.evaluation.compare import DEFAULT_SPANS, RolloutFileError, load_rollo
 from arvdm.evaluation.holdup import VIEWS_SPAN, context_view_mask
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, spatial_gradient_per_frame
 from arvdm.evaluation.probes import format_interval, paired_difference
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_json
 from data.dataset import list_episodes, resolve_split
 from data.episodes import load_episode
 
@@ -231,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             poses = episode_poses(args.data, args.split, real)
         result = ensemble_report(args.folders, poses=poses, n_boot=args.boot)
         if args.json:
-            atomic_write_text(Path(args.json), json.dumps(result, indent=1) + "\n")
+            atomic_write_json(args.json, result)
     except USER_ERRORS as e:
         print(f"ensemble: error: {e}", file=sys.stderr)
         return 2

@@ -31,7 +31,6 @@ RUN/action_test/).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.schedules.presets import get_schedule
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_json
 
 __all__ = ["action_test", "parse_swap", "run_action_test", "summarise"]
 
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out or Path(args.run) / "action_test")
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "action_test.json", json.dumps(result, indent=2))
+    atomic_write_json(out / "action_test.json", result, indent=2)
     print(describe(result))
     return 0
 

@@ -28,7 +28,6 @@ intervals. Writes ``memory_drift_test.json`` and ``memory_drift_test.png`` (PSNR
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.schedules.matrix import ARSchedule
 from arvdm.schedules.presets import get_schedule
-from data.atomic import atomic_write, atomic_write_text
+from data.atomic import atomic_write, atomic_write_json
 
 __all__ = ["MODES", "DriftProbe", "drift_probes", "generate_after_drift", "main", "memory_drift_test",
            "parse_free", "run_memory_drift_test"]
@@ -257,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                                    args.steps, args.seed, args.device)
         out = Path(args.out or Path(args.run) / "memory_drift_test")
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "memory_drift_test.json", json.dumps(result, indent=1))
+        atomic_write_json(out / "memory_drift_test.json", result)
         plot_drift(result, out / "memory_drift_test.png")
     except USER_ERRORS as err:
         print(f"memory_drift_test: error: {err}", file=sys.stderr)

@@ -43,7 +43,6 @@ it does after a rollout's first window, where revisits happen. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +62,7 @@ from arvdm.model.state import RolloutState
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.schedules.matrix import ARSchedule
 from arvdm.schedules.presets import get_schedule
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_json
 from data.dataset import list_episodes, resolve_split, to_float_video
 from data.episodes import load_episode, read_turns
 from memory import MemoryFrames, PoseBank
@@ -446,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                                    args.batch, args.device, last_observed=not args.last_generated)
         out = Path(args.out or Path(args.run) / "memory_probe_test")
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "memory_probe_test.json", json.dumps(result, indent=1))
+        atomic_write_json(out / "memory_probe_test.json", result)
     except USER_ERRORS as err:
         print(f"memory_probe_test: error: {err}", file=sys.stderr)
         return 2

@@ -19,7 +19,6 @@ copy-last that pose selection closes. Writes `revisit_test.json` into --out (def
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.schedules.presets import get_schedule
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_json
 from data.dataset import resolve_split, to_float_video
 from data.episodes import load_episode, read_turns
 
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out or Path(args.run) / "revisit_test")
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "revisit_test.json", json.dumps(result, indent=2))
+    atomic_write_json(out / "revisit_test.json", result, indent=2)
     print(_line(result))
     return 0
 

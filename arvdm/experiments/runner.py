@@ -13,7 +13,6 @@ metrics.csv, rollout.mp4 / .npz from arvdm.sampling), and the report (arvdm.expe
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -31,7 +30,7 @@ from arvdm.experiments.report import write_report
 from arvdm.model.checkpoint import checkpoint_step, latest_checkpoint, load_config
 from arvdm.sampling import sample_run
 from arvdm.training.trainer import train
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_json, atomic_write_text
 
 __all__ = ["REPORT_REFRESH_S", "run_grid", "run_status"]
 
@@ -127,8 +126,7 @@ def _evaluate(job: _Job, cell: Cell) -> None:
     """Sample and evaluate one cell into ``cells/<cell>/``; record success or the error."""
     cell_dir = job.out / "cells" / cell.name
     cell_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(cell_dir / "cell.json", json.dumps({"grid": job.grid.name, **cell.to_dict()},
-                                                         indent=2, default=str) + "\n")
+    atomic_write_json(cell_dir / "cell.json", {"grid": job.grid.name, **cell.to_dict()}, indent=2, default=str)
     error = job.train_failed.get(cell.train_run)
     t0 = time.perf_counter()
     if error is None:
@@ -205,7 +203,7 @@ def run_grid(
         return job.result
 
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "plan.json", json.dumps(grid.to_dict(), indent=2, default=str) + "\n")
+    atomic_write_json(out / "plan.json", grid.to_dict(), indent=2, default=str)
     with tqdm(total=len(cells), initial=len(done), desc=f"grid {grid.name}", unit="cell", disable=not progress,
               dynamic_ncols=True) as bar:
         for run_name in needed:

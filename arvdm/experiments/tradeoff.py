@@ -39,7 +39,7 @@ from torch import Tensor
 from arvdm.evaluation.compare import read_rollout  # re-exported: a cell's rollout.npz
 from arvdm.evaluation.revisit_score import revisit_score
 from arvdm.experiments.cells import GridError
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_json
 from data.dataset import list_episodes, resolve_split
 from data.episodes import read_actions_pose
 
@@ -125,7 +125,7 @@ def _score(cell_dir: Path, ev: Mapping[str, Any], recent: int, out: Path, data_r
             pass  # a damaged cache is recomputed
     score = revisit_score(fake[:, context:], real, context, recent=recent, poses=poses, per_probe=True)
     score["poses_found"] = poses is not None
-    atomic_write_text(cache, json.dumps({"key": key, "score": score}, indent=1) + "\n")
+    atomic_write_json(cache, {"key": key, "score": score})
     return score
 
 

@@ -47,7 +47,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.schedules.presets import get_schedule
-from data.atomic import atomic_write_text
+from data.atomic import atomic_write_json, atomic_write_text
 from memory import MemoryFrames
 
 __all__ = ["calibrate", "hybrid_settings", "main", "plot_heatmap", "plot_tradeoff", "run_calibration", "run_report",
@@ -150,7 +150,7 @@ def run_calibration(run: str, *, clips: int = 4, memory: int | None = None, leve
                        progress=progress)
     result["run"] = str(run)
     path = Path(out) if out else run_folder(run) / RATIOS_NAME
-    return atomic_write_text(path, json.dumps(result, indent=2))
+    return atomic_write_json(path, result, indent=2)
 
 
 # ------------------------------------------------------------------------------------------------
