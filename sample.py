@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "diffusion.context_level for a preset schedule, 20 for tiny; a schedule file's own)")
     p.add_argument("--history-guidance", type=float, default=0.0, metavar="W",
                    help="v = v_mem + W (v_mem - v_nomem) (history guidance, DFoT); 0 = off, one model call per row")
+    p.add_argument("--candidates", type=int, default=1, metavar="N",
+                   help="N candidates per episode; each AR step keeps the one closest to the others (minimum Bayes "
+                        "risk under squared error) and goes on from it: less of a sample's spread, N times the compute")
     p.add_argument("--seed", type=int, default=0, help="noise seed (episode e draws from its own generator, "
                    "seeded by (seed, e))")
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                               use_ema=not args.no_ema, device=args.device, hybrid=hybrid or None,
                               compile=args.compile, speculate=args.speculate, draft=args.draft,
                               lookaheads=lookaheads, level_bins=args.level_bins, memory_select=args.memory_select,
-                              context_level=args.context_level, history_guidance=args.history_guidance)
+                              context_level=args.context_level, history_guidance=args.history_guidance,
+                              candidates=args.candidates)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads

@@ -411,6 +411,7 @@ class SampleSettings:
     context_level: int | None = None  # k_ctx: finished frames sit at this level in memory; None = the run's
     # diffusion.context_level for a preset schedule, a schedule file's own level for a file
     history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
+    candidates: int = 1  # N: per AR step keep the medoid of N candidates (minimum Bayes risk); N times the compute
 
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
     draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
@@ -423,7 +424,7 @@ class SampleSettings:
         for flag, value, lo in (("--frames", self.frames, 1), ("--steps", self.steps, 1),
                                 ("--context", self.context, 0), ("--episodes", self.episodes, 1),
                                 ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0),
-                                ("--context-level", self.context_level, 0)):
+                                ("--context-level", self.context_level, 0), ("--candidates", self.candidates, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
                 raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
         if self.eta is not None:
@@ -431,6 +432,10 @@ class SampleSettings:
         if self.memory_select not in (None, *SELECTIONS):
             raise SamplingError(f"--memory-select {self.memory_select!r}: choose one of {', '.join(SELECTIONS)}")
         check_guidance(self.history_guidance, "--history-guidance", SamplingError)
+        if self.candidates > 1 and (self.speculate or self.memory_select == "other"):
+            raise SamplingError(f"--candidates {self.candidates} cannot go with "
+                                + ("--speculate" if self.speculate else "--memory-select other")
+                                + " (speculative rows keep per-sample state; 'other' reads the neighbouring sample)")
         if str(self.schedule) not in SCHEDULE_PRESETS and not Path(self.schedule).is_file():
             raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
                                 f"({', '.join(SCHEDULE_PRESETS)}) and no such file")

@@ -178,3 +178,16 @@ def test_an_episodes_rollout_does_not_depend_on_the_batch_size(run, tmp_path):
     together, one_by_one = fake("b2", "--batch-size", "2"), fake("b1", "--batch-size", "1")
     assert np.abs(together - one_by_one).max() <= 1  # the same noise; batched convs may round one step apart
     assert np.abs(together - fake("seed1", "--batch-size", "2", "--seed", "1")).mean() > 5
+
+
+def test_candidates_reach_the_rollout_and_are_recorded(run, tmp_path):
+    """--candidates 2 rolls out the medoid of two candidates per AR step: other frames than one sample from the same
+    --seed, the first frames' medoid rule tested in test_candidates.py; the setting lands in eval.json."""
+    run_dir, _ = run
+    flags = ["--run", str(run_dir), "--frames", "8", "--context", "4", "--episodes", "2", "--steps", "3", "--eta", "1",
+             "--eval"]
+    assert sample.main([*flags, "--out", str(tmp_path / "one")]) == 0
+    assert sample.main([*flags, "--candidates", "3", "--out", str(tmp_path / "three")]) == 0
+    one, three = (np.load(tmp_path / d / "rollout.npz")["fake"][:, 4:].astype(np.int16) for d in ("one", "three"))
+    assert np.abs(one - three).mean() > 1
+    assert json.loads((tmp_path / "three" / "eval.json").read_text())["settings"]["candidates"] == 3

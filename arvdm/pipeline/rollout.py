@@ -22,6 +22,10 @@ Error-accumulation levers (docs/sampling.md): ``context_level`` k_ctx (the sched
 finished frames, and the context, re-noised to level k_ctx and tells the model so (noisy context, GameNGen
 2024 / Diffusion Forcing 2024); ``history_guidance`` W guides each row's v towards the memory (DFoT 2025).
 k_ctx = 0 and W = 0 are exactly the plain rollout (nothing extra drawn, one model call per row).
+``candidates`` N > 1 rolls N candidates of every sample side by side and, at every AR step, keeps the one whose
+finished frames are closest (summed squared distance) to the others' — the minimum-Bayes-risk choice under a
+squared-error loss (Kumar & Byrne 2004) — copies its window to all N, and commits it: one sharp rollout that
+pays less of a sample's own spread, for N times the compute. N = 1 is exactly the plain rollout.
 
 ``use_cache=False`` is the Diffusion Forcing reference behaviour: no KV cache; at every denoising call the
 model re-encodes the remembered past frames, passed as ``memory=MemoryFrames(...)``. Which past frames are
@@ -48,7 +52,7 @@ from arvdm.pipeline.rows import Generators, PlainRows, RolloutContext, RolloutSt
 from arvdm.schedules.matrix import ARSchedule, check_context_level
 from memory import make_bank
 
-__all__ = ["rollout", "episode_generators"]
+__all__ = ["rollout", "episode_generators", "candidate_generators", "medoid"]
 
 
 @torch.no_grad()
@@ -56,8 +60,8 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, *, eta: float | None = None,
             generator: Generators = None, use_cache: bool = True, progress: bool = True,
             return_intermediate: bool = False, rows: RowRunner | None = None, poses: torch.Tensor | None = None,
-            memory_select: str | None = None, context_level: int | None = None, history_guidance: float = 0.0
-            ) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+            memory_select: str | None = None, context_level: int | None = None, history_guidance: float = 0.0,
+            candidates: int = 1) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """Generate ``n_frames`` frames after ``context`` with a Meta-ARVDM schedule.
 
     Args:
@@ -96,14 +100,39 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
         history_guidance: W, any finite number: every row's v is ``v_mem + W (v_mem - v_nomem)``, ``v_nomem``
             the same window without memory (two calls per row). 0 = one call, exactly the unguided rollout.
             Meant for a model trained with ``train.memory_dropout > 0``.
+        candidates: N >= 1 candidates per sample (plain rows, no ``return_intermediate``): at every AR step the
+            candidate whose finished frames have the least summed squared distance to the other candidates' is
+            kept (:func:`medoid`), its whole window is copied to the N, and its frames are emitted and committed.
+            Candidate 0 of a sample draws from the sample's own generator, candidate j from
+            :func:`candidate_generators`; N times the batch, memory and compute. 1 = the plain rollout.
 
     Returns:
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.
     """
+    n_cand = _check_candidates(candidates, rows, return_intermediate, memory_select)
+    if n_cand == 1:
+        return _rollout(model, diffusion, schedule, context, context_actions, actions, n_frames, eta, generator,
+                        use_cache, progress, return_intermediate, rows, poses, memory_select, context_level,
+                        history_guidance, n_candidates=1)
+    b = _check_inputs(context, context_actions, actions, n_frames)[0]
+    # N candidates of every sample side by side: sample i's are rows i*N .. i*N + N-1
+    context, context_actions, actions = (t.repeat_interleave(n_cand, dim=0)
+                                         for t in (context, context_actions, actions))
+    poses = None if poses is None else poses.repeat_interleave(n_cand, dim=0)
+    video = _rollout(model, diffusion, schedule, context, context_actions, actions, n_frames, eta,
+                     candidate_generators(generator, n_cand, b), use_cache, progress, False, None, poses,
+                     memory_select, context_level, history_guidance, n_candidates=n_cand)  # (B*N, n_frames, ...)
+    return video[::n_cand]  # the N are identical after every choice: (B, n_frames, ch, H, W)
+
+
+def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSchedule, context: torch.Tensor,
+             context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, eta: float | None,
+             generator: Generators, use_cache: bool, progress: bool, return_intermediate: bool,
+             rows: RowRunner | None, poses: torch.Tensor | None, memory_select: str | None, context_level: int | None,
+             history_guidance: float, n_candidates: int) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+    """:func:`rollout` on a batch that holds ``n_candidates`` consecutive candidates of every sample."""
     b, n_ctx = _check_inputs(context, context_actions, actions, n_frames)
-    if isinstance(generator, (list, tuple)) and len(generator) != b:
-        raise SamplingError(f"rollout generator: {len(generator)} per-sample generators for a batch of {b} "
-                            f"(give one per sample, or a single torch.Generator)")
+    _check_generators(generator, b)
     eta = check_eta(diffusion.cfg.eta if eta is None else eta, "rollout eta", SamplingError)
     k_ctx = schedule.context_level if context_level is None else check_context_level(
         context_level, schedule.num_levels, "rollout context_level")
@@ -117,7 +146,7 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     _check_action_range(model, context_actions, actions[:, :n_frames])  # once per rollout, not per call
     ctx = RolloutContext(model, diffusion, eta, generator, b, context.device, context.dtype,
                          record=[] if return_intermediate else None, context_level=k_ctx,
-                         history_guidance=guidance)
+                         history_guidance=guidance, candidates=n_candidates)
     select = {} if memory_select is None else {"memory_select": memory_select}
     if use_cache:  # the model's own state (KV caches + bank)
         ctx.state = model.init_state(b, **select)
@@ -141,6 +170,39 @@ def episode_generators(seed: int, episodes: Iterable[int], device: str | torch.d
         int(np.random.SeedSequence([int(seed), int(e)]).generate_state(1)[0])) for e in episodes]
 
 
+def candidate_generators(generator: Generators, n_candidates: int, batch_size: int) -> Generators:
+    """The noise source of ``n_candidates`` candidates per sample, laid out sample-major (sample i's candidate j at
+    row i*N + j). Per-sample generators: candidate 0 keeps the sample's own (so its first AR step is exactly the plain
+    rollout's), candidate j >= 1 gets a fresh one seeded by (the sample generator's seed, j). One generator or
+    None: the same source, now drawing for the whole B*N batch."""
+    if not _check_generators(generator, batch_size):
+        return generator
+    out = []
+    for g in generator:
+        out.append(g)
+        out += [torch.Generator(device=g.device).manual_seed(
+            int(np.random.SeedSequence([int(g.initial_seed()), j]).generate_state(1)[0]))
+            for j in range(1, n_candidates)]
+    return out
+
+
+def medoid(candidates: torch.Tensor) -> torch.Tensor:
+    """Index (B,) of the minimum-Bayes-risk candidate under squared error: of ``candidates`` (B, N, ...), the one
+    with the least summed squared distance to the others (ties: the lowest index)."""
+    flat = candidates.flatten(2).float()  # (B, N, D)
+    dist = (flat.unsqueeze(2) - flat.unsqueeze(1)).square().sum(dim=3)  # (B, N, N) squared distances
+    return dist.sum(dim=2).argmin(dim=1)  # (B,)
+
+
+def _select_candidate(x: torch.Tensor, n_cand: int, delta: int) -> torch.Tensor:
+    """Every sample's N candidate windows (B*N, w, ...) replaced by the one whose first ``delta`` (finished) frames
+    are the medoid of the N."""
+    groups = x.unflatten(0, (-1, n_cand))  # (B, N, w, ch, H, W)
+    best = medoid(groups[:, :, :delta])  # (B,)
+    chosen = groups[torch.arange(groups.shape[0], device=x.device), best]  # (B, w, ch, H, W)
+    return chosen.repeat_interleave(n_cand, dim=0)  # (B*N, w, ch, H, W)
+
+
 def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, acts: torch.Tensor, n_frames: int,
                   frame_shape: tuple[int, ...], progress: bool, poses: torch.Tensor | None) -> torch.Tensor:
     """The initialization stage, then AR steps until ``n_frames`` frames are out: (B, n_frames, ch, H, W).
@@ -158,6 +220,8 @@ def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, 
         for a in range(schedule.num_ar_steps(n_frames)):
             offset = a * delta
             x = runner.run_rows(x, S, acts[:, offset:offset + w], "ar", a, offset)
+            if ctx.candidates > 1:  # keep every sample's medoid candidate; the N go on from its window
+                x = _select_candidate(x, ctx.candidates, delta)
             done = x[:, :delta]  # (B, Δ, ...): level 0 by the 0-T boundary t^O[0:Δ] = 0
             out.append(done)
             bar.update(min(delta, n_frames - emitted))
@@ -211,6 +275,31 @@ def _window_actions(actions: torch.Tensor, schedule: ARSchedule, n_frames: int, 
     total = schedule.num_ar_steps(n_frames) * delta + w - delta
     acts = actions[:, :n_frames].to(device=device, dtype=torch.long)  # (B, n_frames)
     return torch.cat([acts, acts[:, -1:].expand(b, max(0, total - n_frames))], dim=1)  # (B, total)
+
+
+def _check_generators(generator: Generators, batch_size: int) -> bool:
+    """True for per-sample generators (then one per sample of the batch), False for one generator or None."""
+    if not isinstance(generator, (list, tuple)):
+        return False
+    if len(generator) != batch_size:
+        raise SamplingError(f"rollout generator: {len(generator)} per-sample generators for a batch of {batch_size} "
+                            f"(give one per sample, or a single torch.Generator)")
+    return True
+
+
+def _check_candidates(candidates: int, rows: RowRunner | None, return_intermediate: bool,
+                      memory_select: str | None) -> int:
+    """N of ``rollout(candidates=N)``: an integer >= 1 that the row runner and the outputs asked for allow."""
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+        raise SamplingError(f"rollout candidates must be an integer >= 1, got {candidates!r}")
+    if candidates > 1 and (rows is not None and not isinstance(rows, PlainRows) or return_intermediate):
+        raise SamplingError(f"rollout candidates={candidates} needs the plain row runner and no return_intermediate "
+                            "(a speculative runner keeps per-sample state the candidate choice would overwrite)")
+    if candidates > 1 and memory_select == "other":
+        raise SamplingError(f"rollout candidates={candidates} with memory_select='other': that ablation takes "
+                            "memory from the neighbouring sample of the batch, which would be another candidate of "
+                            "the same one")
+    return candidates
 
 
 def _check_inputs(context: torch.Tensor, context_actions: torch.Tensor, actions: torch.Tensor,

@@ -93,6 +93,7 @@ class RolloutContext:
     window_poses: torch.Tensor | None = None  # (B, w, 3) poses of the window's frames (pose-aware models), else None
     context_level: int = 0
     history_guidance: float = 0.0
+    candidates: int = 1  # N candidates per sample side by side (rollout(candidates=N)); the batch is B*N
 
     def noise(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The next standard normal draw of the rollout's generator(s), ``shape`` batch first."""
