@@ -88,7 +88,8 @@ def test_the_window_actions_change_the_output_through_it_and_no_memory_means_non
     levels = torch.full((B, 2), 40)
     memory = MemoryFrames(mem, mem_a)
     with torch.no_grad():
-        v, adv = model(x, levels, a, memory=memory, return_advected=True)
+        out = model(x, levels, a, memory=memory, return_extras=True)
+        v, adv = out.v, out.advected
         assert torch.allclose(adv, model.advection(mem[:, -1], a))  # the memory's last frame, the window's actions
         assert torch.equal(v, model(x, levels, a, memory=memory))
         # the same weights with the advected input cut: the output differs, so it is read
@@ -97,7 +98,7 @@ def test_the_window_actions_change_the_output_through_it_and_no_memory_means_non
         model.advection.stem.bias.zero_()
         assert (v - model(x, levels, a, memory=memory)).abs().max() > 1e-3
         model.advection.stem.weight.copy_(stem)
-        _, none = model(x, levels, a, return_advected=True)  # memory dropout / history guidance: no last frame
+        none = model(x, levels, a, return_extras=True).advected  # memory dropout / history guidance: no last frame
         assert none is None
 
 
@@ -158,8 +159,7 @@ def test_an_open_copy_gate_copies_the_advected_frame_and_the_loss_targets_it():
     levels = torch.tensor([[5, 40, K]]).expand(B, -1)
     diff = PerFrameDiffusion(model.cfg.diffusion)
     with torch.no_grad():
-        v, logit, x0_hat, adv = model(x, levels, a, memory=MemoryFrames(mem, mem_a), return_gate=True,
-                                      return_advected=True)
+        v, logit, x0_hat, adv = model(x, levels, a, memory=MemoryFrames(mem, mem_a), return_extras=True)
     x0 = diff.pred_x0(x, v, levels)
     assert (x0 - adv).abs().max() < 1e-4  # the advected frames, not the unmoved last frame
     assert (adv - mem[:, -1:]).abs().max() > 0.1

@@ -207,8 +207,8 @@ def test_the_gate_loss_adds_the_bce_of_the_gate_and_draws_nothing(gate):
         noise = torch.randn(clip_video[:, 4:].shape, generator=g)
         diffusion = PerFrameDiffusion(model.cfg.diffusion)
         with torch.no_grad():
-            _, logit, x0_hat = model(diffusion.add_noise(clip_video[:, 4:], noise, levels), levels, act[:, 4:],
-                                     memory=MemoryFrames(clip_video[:, :4], act[:, :4]), return_gate=True)
+            _, logit, x0_hat, _ = model(diffusion.add_noise(clip_video[:, 4:], noise, levels), levels, act[:, 4:],
+                                        memory=MemoryFrames(clip_video[:, :4], act[:, :4]), return_extras=True)
         share = copy_target(clip_video[:, 4:], clip_video[:, 3, None], x0_hat, per_pixel=gate == "pixel")
         bce = F.binary_cross_entropy_with_logits(logit, share, reduction="none").mean(dim=(2, 3, 4))  # (B, 2)
         assert totals[1] - totals[0] == pytest.approx(0.5 * float((bce * (levels > 0)).sum()), rel=1e-4)

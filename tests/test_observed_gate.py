@@ -165,7 +165,7 @@ def test_own_v_is_the_network_before_the_gate():
     two models differ only in the gate's channel), while the gated v the open model returns is not."""
     opened, closed = make(logit=60.0), make(logit=-60.0)  # the same v̂ channels: only the gate's channel differs
     mem, x, levels, a = window([1, 40, 70, K])
-    v_open, _, x0_hat = opened(x, levels, a, memory=mem, return_gate=True)
+    v_open, _, x0_hat, _ = opened(x, levels, a, memory=mem, return_extras=True)
     v_closed = closed(x, levels, a, memory=mem)
     torch.testing.assert_close(copy_gate.own_v(opened, x, levels, x0_hat), v_closed.float(), rtol=1e-4, atol=1e-4)
     assert (v_open.float() - v_closed.float()).abs().amax() > 0.1

@@ -6,9 +6,9 @@
 """
 
 from arvdm.model.checkpoint import CheckpointError, from_pretrained, load_weights, save_pretrained
-from arvdm.model.denoiser import Denoiser, DenoiserError
+from arvdm.model.denoiser import Denoiser, DenoiserError, DenoiserOutput
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.model.state import RolloutState
 
-__all__ = ["CheckpointError", "Denoiser", "DenoiserError", "PerFrameDiffusion", "RolloutState", "from_pretrained",
-           "load_weights", "save_pretrained"]
+__all__ = ["CheckpointError", "Denoiser", "DenoiserError", "DenoiserOutput", "PerFrameDiffusion", "RolloutState",
+           "from_pretrained", "load_weights", "save_pretrained"]

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -68,7 +69,7 @@ from arvdm.model.state import RolloutState
 from arvdm.model.unet import ActionAdvection, ConvDecoder, ConvEncoder
 from memory import KVCache, MemoryFrames, RetentionPolicy, build_compressor, make_bank, relative_pose
 
-__all__ = ["Denoiser", "DenoiserError"]
+__all__ = ["Denoiser", "DenoiserError", "DenoiserOutput"]
 
 POS_EMBED_INIT_STD = 0.02  # learned 2-D position embedding, initialised small (as in ViT / DiT)
 
@@ -76,6 +77,24 @@ POS_EMBED_INIT_STD = 0.02  # learned 2-D position embedding, initialised small (
 # ------------------------------------------------------------------------------------------------
 # the denoiser
 # ------------------------------------------------------------------------------------------------
+
+
+class DenoiserOutput(NamedTuple):
+    """`Denoiser.forward(..., return_extras=True)`: v and what the loss supervises besides it.
+
+    Attributes:
+        v: (B,T,C,H,W) the v-prediction (the gated one with model.copy_gate).
+        gate_logit: model.copy_gate's logit (B,T,1,H,W) pixel / (B,T,1,1,1) frame, offset included; None without the
+            gate or without a last frame (train.copy_gate_loss supervises it).
+        x0_hat: (B,T,C,H,W) float32 the network's own clean frame before the gate; None when gate_logit is.
+        advected: (B,T,C,H,W) float32 model.action_advection's advected last frame; None without advection or
+            without a last frame (the loss's reconstruction term for the kernels, train.advection_loss).
+    """
+
+    v: torch.Tensor
+    gate_logit: torch.Tensor | None
+    x0_hat: torch.Tensor | None
+    advected: torch.Tensor | None
 
 
 class Denoiser(nn.Module):
@@ -283,8 +302,8 @@ class Denoiser(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor,
-                memory: MemoryFrames | None = None, state: RolloutState | None = None, return_gate: bool = False,
-                return_advected: bool = False):
+                memory: MemoryFrames | None = None, state: RolloutState | None = None, return_extras: bool = False
+                ) -> torch.Tensor | DenoiserOutput:
         """Predict v for a window.
 
         Args:
@@ -294,15 +313,10 @@ class Denoiser(nn.Module):
             memory: explicit past frames (training, uncached rollout); the model uses exactly what it is
                 given (retention is the bank's job). Their positions fix where the window starts.
             state: a `RolloutState` (cached rollout); the window starts at `state.n_committed`.
-            return_gate: also return model.copy_gate's logit (B,T,1,H,W) or (B,T,1,1,1), offset included, and the
-                network's own clean frame x̂0 (B,T,C,H,W) float32, before the gate (both None without the gate or
-                without a last frame): the loss supervises the gate with them (train.copy_gate_loss).
-            return_advected: also return model.action_advection's advected last frame (B,T,C,H,W) float32 (None
-                without advection or without a last frame): the loss's reconstruction term for the kernels.
+            return_extras: return a :class:`DenoiserOutput` (v and what the loss supervises besides it) instead of v.
 
         Returns:
-            (B,T,C,H,W) v-prediction for the window only, then the gate's logit and x̂0 with `return_gate`, then
-            the advected frames with `return_advected` (a tuple when either is asked for).
+            (B,T,C,H,W) v-prediction for the window only, or with `return_extras` a :class:`DenoiserOutput`.
         """
         self._check_window(x, levels, actions)
         if memory is not None and state is not None:
@@ -359,8 +373,7 @@ class Denoiser(nn.Module):
         source = advected if advected is not None else None if last is None else last[:, None]  # (B,T|1,C,H,W)
         v, logit, x0_hat = (copy_gate.copy_last(self, out, x, levels, source, gate_on) if self.copy_gate
                             else (out, None, None))
-        outs = (v,) + ((logit, x0_hat) if return_gate else ()) + ((advected,) if return_advected else ())
-        return outs if len(outs) > 1 else v  # v (B,T,C,H,W)
+        return DenoiserOutput(v, logit, x0_hat, advected) if return_extras else v  # v (B,T,C,H,W)
 
     # -- cached rollout ----------------------------------------------------------------------------
     def init_state(self, batch_size: int, layer_policies: list[RetentionPolicy] | None = None,

@@ -105,18 +105,14 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     if mem is not None and getattr(core, "gate_on_embed", None) is not None:  # copy_gate=observed
         on = mem.last_observed = _gated_clips(b, generator, x0.device, generated_last)  # (B,) bool
     with autocast():
-        extra = {"return_gate": True} if copy_gate_loss > 0 else {}
-        if advect:  # asked only when used: a plain model is called exactly as before
-            extra["return_advected"] = True
-        outs = model(x_t, levels, act, memory=mem, **extra)
+        outs = model(x_t, levels, act, memory=mem, return_extras=True)  # DenoiserOutput
+    v = outs.v  # (B, w, C, H, W)
     if copy_gate_loss > 0:
-        v, logit, x0_hat = outs[:3]  # logit (B,w,1,H|1,W|1) | None
+        logit, x0_hat = outs.gate_logit, outs.x0_hat  # logit (B,w,1,H|1,W|1) | None
         if copy_gate_detach and x0_hat is not None:  # the v-MSE on the network's own v̂, not the gated one
             v = own_v(core, x_t, levels, x0_hat)  # (B, w, C, H, W) float32
-    else:
-        v = outs[0] if advect else outs  # (B, w, C, H, W)
     if advect:
-        advected = outs[-1]  # (B, w, C, H, W) | None (no last frame)
+        advected = outs.advected  # (B, w, C, H, W) | None (no last frame)
     per_frame = (v.float() - target.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
     counted = (levels > 0).to(per_frame.dtype)  # (B, w)
     w_levels = diffusion.loss_weight(levels, weight, gamma).to(per_frame.dtype)  # (B, w)
