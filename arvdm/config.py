@@ -72,8 +72,7 @@ class DiffusionConfig:
     num_levels: int = 1000  # K; level k >= 1 is diffusers timestep k - 1
     beta_schedule: str = "squaredcos_cap_v2"  # any diffusers beta_schedule: linear, scaled_linear, sigmoid, ...
     prediction_type: str = "v_prediction"
-    # DDIM eta when sampling (sample.py --eta, the training sample videos): 0 = DDIM (deterministic), 1 = DDPM-like
-    eta: float = 1.0
+    eta: float = 1.0  # DDIM eta when sampling (sample.py --eta, training sample videos): 0 = DDIM, 1 = DDPM-like
     # k_ctx when sampling (sample.py --context-level): the level finished frames sit at in memory (Diffusion Forcing /
     # GameNGen, for train.context_noise_max > 0); 0 = clean, the schedules as written. Schedule files keep their own.
     context_level: int = 0
@@ -159,9 +158,8 @@ class MemoryConfig:
     retention: str = "last"  # all | last | sink_recent
     sink: int = 0  # s, for sink_recent
     recent: int = 0  # r, for sink_recent
-    # Memory chosen by camera pose (memory/select.py): "time" = the retention policy above; "pose" = of the m
-    # memory frames, `pose_frames` are chosen from the older past by pose match to the window, the rest are
-    # the most recent; training clips are built the same way and the model reads each frame's relative pose.
+    # memory/select.py: "time" = the retention policy above; "pose" = `pose_frames` of the m memory frames chosen from
+    # the older past by pose match to the window, the rest the most recent (training clips alike; poses read).
     select: str = "time"  # time | pose
     pose_frames: int = 0  # k (select=pose): memory frames chosen by pose, 1..length
     bank_size: int = 1024  # select=pose: frames a rollout keeps per sample to choose from (redundant views dropped)
@@ -408,11 +406,9 @@ class SampleSettings:
     progress: bool = True
     hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
     compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
-    context_level: int | None = None  # k_ctx: finished frames sit at this level in memory; None = the run's
-    # diffusion.context_level for a preset schedule, a schedule file's own level for a file
+    context_level: int | None = None  # k_ctx of finished frames in memory; None = the run's / a schedule file's
     history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
     candidates: int = 1  # N: per AR step keep the medoid of N candidates (minimum Bayes risk); N times the compute
-
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
     draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
     lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
@@ -433,9 +429,8 @@ class SampleSettings:
             raise SamplingError(f"--memory-select {self.memory_select!r}: choose one of {', '.join(SELECTIONS)}")
         check_guidance(self.history_guidance, "--history-guidance", SamplingError)
         if self.candidates > 1 and (self.speculate or self.memory_select == "other"):
-            raise SamplingError(f"--candidates {self.candidates} cannot go with "
-                                + ("--speculate" if self.speculate else "--memory-select other")
-                                + " (speculative rows keep per-sample state; 'other' reads the neighbouring sample)")
+            raise SamplingError(f"--candidates {self.candidates} cannot go with --speculate or --memory-select other "
+                                "(speculative rows keep per-sample state; 'other' reads the neighbouring sample)")
         if str(self.schedule) not in SCHEDULE_PRESETS and not Path(self.schedule).is_file():
             raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
                                 f"({', '.join(SCHEDULE_PRESETS)}) and no such file")

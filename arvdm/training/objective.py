@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from arvdm.config import TrainConfig
 from arvdm.model.checkpoint import unwrap
 from arvdm.model.copy_gate import OBSERVED_GATE_SHARE, own_v
+from arvdm.model.denoiser import DenoiserOutput
 from arvdm.schedules.matrix import ARSchedule
 from memory import MemoryFrames
 
@@ -105,7 +106,10 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     if mem is not None and getattr(core, "gate_on_embed", None) is not None:  # copy_gate=observed
         on = mem.last_observed = _gated_clips(b, generator, x0.device, generated_last)  # (B,) bool
     with autocast():
-        outs = model(x_t, levels, act, memory=mem, return_extras=True)  # DenoiserOutput
+        if copy_gate_loss > 0 or advect:  # extras asked only when used: a plain model is called exactly as before
+            outs = model(x_t, levels, act, memory=mem, return_extras=True)
+        else:
+            outs = DenoiserOutput(model(x_t, levels, act, memory=mem), None, None, None)
     v = outs.v  # (B, w, C, H, W)
     if copy_gate_loss > 0:
         logit, x0_hat = outs.gate_logit, outs.x0_hat  # logit (B,w,1,H|1,W|1) | None
