@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from arvdm.evaluation.compare import RolloutFileError
-from arvdm.evaluation.ensemble import PAIRS, ensemble_report, episode_poses, main, model_mean_psnr
+from arvdm.evaluation.ensemble import PAIRS, ensemble_report, episode_poses, main, model_mean_psnr, shrink_frontier
 from arvdm.evaluation.metrics import PSNR_CAP
 from data.episodes import write_episode
 
@@ -68,6 +68,15 @@ def test_two_samples_either_side_of_the_truth_have_an_exact_mean(tmp_path):
         assert d["mean"] == pytest.approx(PSNR_CAP - ONE_OFF, abs=1e-3) and d["hi"] - d["lo"] < 1e-6
         assert s["gradient_ratio_one_sample"] == pytest.approx(1.0, abs=1e-6)  # an offset keeps every edge
     assert r["context_views"] is None  # no poses given
+    by_lambda = {f["lambda"]: f["spans"] for f in r["shrink"]}  # blends towards the other sample (K = 2)
+    assert sorted(by_lambda) == [0.0, 0.5, 0.7, 0.85, 1.0]
+    for span in ("first 4", "17-64"):
+        assert by_lambda[1.0][span]["psnr"] == pytest.approx(ONE_OFF, abs=1e-3)  # the sample itself
+        assert by_lambda[0.0][span]["psnr"] == pytest.approx(ONE_OFF, abs=1e-3)  # the other sample
+        assert by_lambda[0.5][span]["psnr"] == pytest.approx(PSNR_CAP)  # halfway: the truth
+        # lambda = 0.7: off by |2 * 0.7 - 1| D = 0.4 D
+        assert by_lambda[0.7][span]["psnr"] == pytest.approx(ONE_OFF - 20 * math.log10(0.4), abs=1e-2)
+        assert by_lambda[1.0][span]["gradient_ratio"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_identical_samples_have_no_spread_and_a_biased_mean(tmp_path):
@@ -126,6 +135,26 @@ def test_frames_17_64_split_by_context_views(tmp_path):
         episode_poses(other, None, truth)
 
 
+def test_the_frontier_trades_sharpness_for_psnr():
+    """Samples = truth + independent noise: pulling each towards the others' mean lowers its error as the known
+    quadratic in lambda (minimum at 1/K, the mean of all K) and its sharpness with it; the context-mean column is the
+    blend's PSNR minus the baseline's."""
+    g = torch.Generator().manual_seed(0)
+    truth = torch.rand(2, 70, 3, 16, 16, generator=g) * 0.6 - 0.3  # far from the [-1, 1] clip at sd 0.15
+    k, sd = 4, 0.15
+    gen = truth + sd * torch.randn(k, *truth.shape, generator=g)  # (K, B, N, C, H, W)
+    base = torch.full((2, 70), 10.0)
+    f = {r["lambda"]: r["spans"]["17-64"] for r in shrink_frontier(gen, truth, base, [("17-64", 16, 64)],
+                                                                    (1.0, 0.7, 0.5, 0.25, 0.0))}
+    for lam, r in f.items():  # E (m + lam (x - m) - t)^2 = sd^2 (lam^2 + (1 - lam)^2 / (K - 1))
+        known = 10 * math.log10(4 / (sd ** 2 * (lam ** 2 + (1 - lam) ** 2 / (k - 1))))
+        assert r["psnr"] == pytest.approx(known, abs=0.05)
+        assert r["minus_context_mean"] == pytest.approx(r["psnr"] - 10.0, abs=1e-9)
+    assert f[0.25]["psnr"] == max(r["psnr"] for r in f.values())
+    ratios = [f[lam]["gradient_ratio"] for lam in (1.0, 0.7, 0.5, 0.25)]
+    assert ratios == sorted(ratios, reverse=True) and ratios[0] > ratios[-1] + 0.1  # noise is edges: less of it
+
+
 def test_folders_that_cannot_be_pooled_are_refused(tmp_path, capsys):
     write_rollout(tmp_path / "a", episodes(0), D)
     write_rollout(tmp_path / "b", episodes(1), D)
@@ -136,6 +165,9 @@ def test_folders_that_cannot_be_pooled_are_refused(tmp_path, capsys):
     assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "ensemble: error" in capsys.readouterr().err
     assert main([str(tmp_path / "a"), str(tmp_path / "missing")]) == 2
+    for bad in ("1,2", "x", ""):
+        assert main([str(tmp_path / "a"), str(tmp_path / "a"), "--shrink", bad]) == 2
+        assert "--shrink" in capsys.readouterr().err
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
@@ -144,6 +176,6 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     write_rollout(tmp_path / "b", real, -D)
     assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--boot", "200", "--json", str(tmp_path / "e.json")]) == 0
     out = capsys.readouterr().out
-    assert "2 rollouts of 3 episodes" in out and "17-64" in out
+    assert "2 rollouts of 3 episodes" in out and "17-64" in out and "lambda" in out
     saved = json.loads((tmp_path / "e.json").read_text())
     assert saved["spans"][3]["mean_of_k"] == pytest.approx(PSNR_CAP)

@@ -26,6 +26,13 @@ mean does not beat it either, no choice of sample can, and the model does not kn
 average of the context (docs/evaluation.md). With ``--data`` (the episodes the rollouts were drawn from, their
 poses) frames 17-64 are also split by whether a context frame shows their view (``context_views``' definition).
 
+How much sharpness would buy the PSNR back: for each blend weight lambda (``--shrink``, default 1, 0.85, 0.7, 0.5,
+0) every sample is pulled towards the mean of the *other* K - 1 samples, m + lambda (x - m) (lambda = 1: the sample,
+0: the others' mean; leave-one-out, so the sample is not scored against itself), and each span reports the blend's
+PSNR, its difference from the context mean and its sharpness: the PSNR-sharpness frontier the samples allow. A
+target of "PSNR above a baseline, gradient ratio within bounds" is within this model's reach only where some blend
+meets both (the blend is a diagnostic, not a sampler).
+
 The folders are ``sample.py`` outputs of the same episodes, context and frames (the same ground truth is
 checked), differing in ``--seed`` (or in anything else whose spread is to be measured).
 """
@@ -53,7 +60,11 @@ from data.atomic import atomic_write_json
 from data.dataset import list_episodes, resolve_split
 from data.episodes import load_episode
 
-__all__ = ["PAIRS", "ensemble_report", "episode_poses", "format_ensemble", "main", "model_mean_psnr"]
+__all__ = ["PAIRS", "SHRINKS", "ensemble_report", "episode_poses", "format_ensemble", "main", "model_mean_psnr",
+           "shrink_frontier"]
+
+#: Blend weights of the PSNR-sharpness frontier: lambda in m + lambda (x - m), m the other samples' mean.
+SHRINKS = (1.0, 0.85, 0.7, 0.5, 0.0)
 
 #: The paired differences reported for each span: (name, a, b) of the per-frame PSNR curves, a - b.
 PAIRS = (("mean of K - context mean", "mean_of_k", "context_mean"),
@@ -123,16 +134,42 @@ def _load_all(folders: Sequence[str | Path]) -> tuple[Tensor, Tensor, int]:
     return real, torch.stack(fakes), context
 
 
+def shrink_frontier(gen: Tensor, truth: Tensor, context_mean: Tensor, spans: Sequence[tuple[str, int, int]],
+                    shrinks: Sequence[float] = SHRINKS) -> list[dict[str, Any]]:
+    """The PSNR-sharpness frontier of the module docstring: ``gen`` (K, B, N, C, H, W) samples, ``truth`` (B, N, C, H,
+    W), ``context_mean`` (B, N) the baseline's PSNR. Returns per lambda ``{"lambda", "spans": {span: {"psnr",
+    "minus_context_mean", "gradient_ratio"}}}``, each the mean over the K leave-one-out blends."""
+    k, n = gen.shape[0], gen.shape[2]
+    grad_real = spatial_gradient_per_frame(truth)  # (B, N)
+    others = (gen.sum(0, keepdim=True) - gen) / (k - 1)  # (K, B, N, ...) each sample's others' mean
+    out = []
+    for lam in shrinks:
+        blends = others + float(lam) * (gen - others)  # (K, B, N, C, H, W)
+        psnr = torch.stack([psnr_per_frame(x, truth).clamp(max=PSNR_CAP) for x in blends]).double()  # (K, B, N)
+        grads = [spatial_gradient_per_frame(x) for x in blends]  # K x (B, N)
+        rows = {}
+        for name, lo, hi in spans:
+            if lo < n:
+                hi = min(hi, n)
+                rows[name] = {"psnr": float(psnr[:, :, lo:hi].mean()),
+                              "minus_context_mean": float(psnr[:, :, lo:hi].mean() - context_mean[:, lo:hi].mean()),
+                              "gradient_ratio": float(np.mean([summed_gradient_ratio(g, grad_real, lo, hi)
+                                                               for g in grads]))}
+        out.append({"lambda": float(lam), "spans": rows})
+    return out
+
+
 def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, int, int]] = DEFAULT_SPANS,
-                    poses: Tensor | None = None, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
+                    poses: Tensor | None = None, n_boot: int = 2000, seed: int = 0,
+                    shrinks: Sequence[float] = SHRINKS) -> dict[str, Any]:
     """The module docstring's table for K >= 2 sample.py folders of the same episodes; RolloutFileError when they
     are not comparable. ``poses`` (B, >= T, 3) adds the seen / unseen split of frames 17-64.
 
     Returns ``{"folders", "k", "episodes", "context", "generated", "spans": [{"span", "start", "end", "one_sample",
     "mean_of_k", "model_mean", "agreement", "copy_last", "context_mean", "paired": {name: {mean, lo, hi}},
     "gradient_ratio_one_sample", "gradient_ratio_mean_of_k"}], "context_views": None or {"label", "share_seen",
-    "seen", "unseen"}}`` (PSNR in dB; ``paired`` per ``PAIRS``; ``seen`` / ``unseen`` hold the span means and
-    ``paired`` of their frames, or None when empty).
+    "seen", "unseen"}, "shrink": shrink_frontier(...)}`` (PSNR in dB; ``paired`` per ``PAIRS``; ``seen`` /
+    ``unseen`` hold the span means and ``paired`` of their frames, or None when empty).
     """
     real, fakes, context = _load_all(folders)
     k, b, n = fakes.shape[0], real.shape[0], real.shape[1] - context
@@ -183,8 +220,9 @@ def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, in
         views = {"label": f"{lo + 1}-{hi}", "share_seen": float(seen[:, lo:hi].mean()),
                  "seen": part(seen) if seen.any() else None,
                  "unseen": part(span & ~seen) if (span & ~seen).any() else None}
+    frontier = shrink_frontier(gen, truth, torch.from_numpy(curves["context_mean"]), spans, shrinks)
     return {"folders": [str(f) for f in folders], "k": k, "episodes": b, "context": context, "generated": n,
-            "spans": rows, "context_views": views}
+            "spans": rows, "context_views": views, "shrink": frontier}
 
 
 def format_ensemble(result: dict[str, Any]) -> str:
@@ -208,7 +246,26 @@ def format_ensemble(result: dict[str, Any]) -> str:
     if views is not None:
         lines.append(f"frames {views['label']} by context views ({views['share_seen']:.0%} seen):")
         lines += [row(f"{key} {views['label']}", views[key]) for key in ("seen", "unseen") if views[key] is not None]
+    if result.get("shrink"):
+        lines.append("each sample pulled towards the other samples' mean, m + lambda (x - m): PSNR (minus the context "
+                     "mean) / sharpness")
+        names = list(result["shrink"][0]["spans"])
+        lines.append(f"{'lambda':>12}  " + "  ".join(f"{n:>24}" for n in names))
+        for f in result["shrink"]:
+            cells = [f"{r['psnr']:.2f} ({r['minus_context_mean']:+.2f}) / {r['gradient_ratio']:.2f}"
+                     for r in f["spans"].values()]
+            lines.append(f"{f['lambda']:12.2f}  " + "  ".join(f"{c:>24}" for c in cells))
     return "\n".join(lines)
+
+
+def _parse_shrinks(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise RolloutFileError(f"--shrink {text!r}: give comma-separated blend weights in [0, 1], e.g. 1,0.7,0.5")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,16 +276,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 "whether a context frame shows their view")
     p.add_argument("--split", default="validation", help="the split of --data the rollouts used (default validation)")
     p.add_argument("--boot", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    p.add_argument("--shrink", default=",".join(f"{x:g}" for x in SHRINKS),
+                   help="blend weights lambda of the PSNR-sharpness frontier, comma-separated, each in [0, 1]")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     args = p.parse_args(argv)
     try:
         if args.boot < 100:
             raise RolloutFileError(f"--boot {args.boot}: must be >= 100 for a 95% interval")
+        shrinks = _parse_shrinks(args.shrink)
         poses = None
         if args.data is not None:
             real, _ = read_rollout(args.folders[0])
             poses = episode_poses(args.data, args.split, real)
-        result = ensemble_report(args.folders, poses=poses, n_boot=args.boot)
+        result = ensemble_report(args.folders, poses=poses, n_boot=args.boot, shrinks=shrinks)
         if args.json:
             atomic_write_json(args.json, result)
     except USER_ERRORS as e:
