@@ -394,6 +394,49 @@ def test_calibrate_sample_and_report_clis(tiny_run, tmp_path, capsys):
     assert all((tmp_path / "r" / f).is_file() for f in ("lazy_ratios.png", "hybrid_report.md", "pareto_hybrid.png"))
 
 
+@pytest.fixture(scope="module")
+def pose_run(tmp_path_factory):
+    """A tiny run that chooses its memory by camera pose (the `tiny` preset's way), on episodes with poses."""
+    import numpy as np
+
+    from arvdm.config import get_preset
+    from arvdm.training.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("hybrid_pose")
+    rng = np.random.default_rng(1)
+    for split, n in (("training", 2), ("validation", 2)):
+        (root / "data" / split).mkdir(parents=True)
+        for i in range(n):
+            pose = np.stack([np.arange(40) % 7, np.zeros(40), np.linspace(-3, 3, 40)], axis=1).astype(np.float32)
+            np.savez(root / "data" / split / f"ep_{i:06d}.npz", pose=pose,
+                     video=rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8), actions=rng.integers(0, 6, 40))
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={root / 'data'}", "memory.select=pose",
+                                                          "memory.pose_frames=2"]).validate()
+    Trainer(cfg, root / "run").fit()
+    return root / "run"
+
+
+def test_calibrate_and_report_a_pose_aware_run(pose_run, tmp_path):
+    """The `tiny` preset chooses memory by pose: calibration gives its memory the clips' poses and ages (as training
+    does), the report's rollouts the episodes' poses; without poses the calibration is refused by name."""
+    assert HR.main(["calibrate", "--run", str(pose_run), "--clips", "2", "--levels", "2"]) == 0
+    ratios = H.load_lazy_ratios(pose_run / H.RATIOS_NAME)
+    assert len(ratios["ratios"]) == 2 and 0 < min(ratios["ratios"]) < 1
+    assert HR.main(["report", "--run", str(pose_run), "--episodes", "1", "--frames", "8", "--steps", "2",
+                    "--out", str(tmp_path / "r")]) == 0
+    rows = json.loads((tmp_path / "r" / "hybrid_report.json").read_text())["rows"]
+    assert [(r["selection"], r["fraction"]) for r in rows] == [("base", 0.0)] + [
+        (s, f) for f in (0.25, 0.75) for s in ("lazy", "random", "last")]
+    assert rows[-1]["psnr_mean"] != rows[0]["psnr_mean"]  # the streaming layers do attend to less
+    from arvdm.pipeline.runs import load_for_inference
+
+    model, cfg = load_for_inference(pose_run, device="cpu")
+    clips = torch.zeros(1, cfg.memory.length + cfg.train.window, 3, 16, 16)
+    with pytest.raises(H.HybridError, match="pose-aware"):
+        HR.calibrate(model, PerFrameDiffusion(cfg.diffusion), clips, torch.zeros(clips.shape[:2], dtype=torch.long),
+                     memory=cfg.memory.length, levels=[50], hybrid=cfg.hybrid, progress=False)
+
+
 def test_selection_strategies():
     s = HR.selection_strategies([0.2, 0.9, 0.5, 0.7], 0.5, seed=3)
     assert s["lazy"] == [1, 3] and s["last"] == [2, 3] and len(s["random"]) == 2

@@ -63,13 +63,16 @@ PLOT_DPI = 120
 
 @torch.no_grad()
 def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Tensor, *, memory: int,
-              levels: Sequence[int], hybrid: HybridConfig, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+              levels: Sequence[int], hybrid: HybridConfig, seed: int = 0, progress: bool = True,
+              poses: torch.Tensor | None = None) -> dict[str, Any]:
     """Lazy ratios per layer and denoising level over calibration clips (LightTransfer Eq. 1, offline).
 
     Each clip (T = memory + window frames) is split into ``memory`` clean frames, given as ``memory=``, and
     a window noised to one ``level`` for every frame; the meters read the window queries of the last
-    ``hybrid.last_frames`` frames. Returns the lazy_ratios.json content: per layer the mean and standard
-    deviation over (clip, level) pairs and the mean per level.
+    ``hybrid.last_frames`` frames. ``poses`` (N, >= T, 3): the clips' camera poses, required by a pose-aware model
+    (memory.select=pose), which reads the memory frames' poses and ages as in training. Returns the
+    lazy_ratios.json content: per layer the mean and standard deviation over (clip, level) pairs and the mean per
+    level.
     """
     layers = temporal_layers(model)
     n, t = clips.shape[:2]
@@ -80,6 +83,11 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
         raise HybridError(f"calibration sees {memory} memory + {w} window frames: with hybrid.last_frames="
                           f"{hybrid.last_frames} no query reaches past sink + recent = "
                           f"{hybrid.sink + hybrid.recent} frames, so every ratio would be 1; use more --memory")
+    pose_aware = model.cfg.memory.select == "pose"
+    if pose_aware and (poses is None or poses.shape[0] != n or poses.shape[1] < t):
+        raise HybridError("a pose-aware model (memory.select=pose) is calibrated on clips with their poses: give "
+                          f"poses (N, >= T, 3) = ({n}, >= {t}, 3) (episodes with a 'pose' array)")
+    ages = torch.arange(memory, 0, -1, device=clips.device)[None]  # (1, m): the last memory frame is 1 frame back
     was_retention = [layer.retention for layer in layers]
     convert_layers(layers, [], sink=hybrid.sink, recent=hybrid.recent)
     gen = torch.Generator().manual_seed(seed)
@@ -89,7 +97,13 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
         with measuring(layers, sink=hybrid.sink, recent=hybrid.recent, last_frames=hybrid.last_frames) as meters:
             for c in range(n):
                 x0 = clips[c:c + 1, memory:]  # (1, w, C, H, W)
-                mem = MemoryFrames(clips[c:c + 1, :memory], actions[c:c + 1, :memory]) if memory else None
+                mem = None
+                if memory and pose_aware:  # as training gives it: the window's poses are the memory's targets
+                    p = poses[c:c + 1, :t].to(clips)  # (1, T, 3)
+                    mem = MemoryFrames(clips[c:c + 1, :memory], actions[c:c + 1, :memory], poses=p[:, :memory],
+                                       ages=ages, target_poses=p[:, memory:])
+                elif memory:
+                    mem = MemoryFrames(clips[c:c + 1, :memory], actions[c:c + 1, :memory])
                 noise = torch.randn(x0.shape, generator=gen).to(x0)
                 for j, level in enumerate(levels):
                     lv = torch.full((1, w), int(level), dtype=torch.long, device=x0.device)  # (1, w)
@@ -143,11 +157,11 @@ def run_calibration(run: str, *, clips: int = 4, memory: int | None = None, leve
     model, cfg, diffusion, dev = _load_run(run, device)
     h = hybrid_settings(cfg, overrides)
     m = cfg.memory.length if memory is None else memory
-    video, actions, _ = load_validation_episodes(data or cfg.data.path, cfg, clips, m, cfg.train.window)
+    video, actions, poses = load_validation_episodes(data or cfg.data.path, cfg, clips, m, cfg.train.window)
     K = cfg.diffusion.num_levels
     lv = sorted({int(round(x)) for x in torch.linspace(0, K, levels).tolist()})
     result = calibrate(model, diffusion, video.to(dev), actions.to(dev), memory=m, levels=lv, hybrid=h,
-                       progress=progress)
+                       progress=progress, poses=poses)
     result["run"] = str(run)
     path = Path(out) if out else run_folder(run) / RATIOS_NAME
     return atomic_write_json(path, result, indent=2)
@@ -207,7 +221,8 @@ def _measure(hm: HybridModel, diffusion: Any, sched: Any, real: torch.Tensor, ac
     dev = actions.device
     t0 = time.perf_counter()
     fake = rollout(hm, diffusion, sched, real[:, :ctx].to(dev), actions[:, :ctx], actions[:, ctx:], frames, eta=eta,
-                   generator=torch.Generator().manual_seed(seed), progress=False).float().cpu()
+                   generator=torch.Generator().manual_seed(seed), progress=False,
+                   poses=_rollout_poses(hm.cfg, poses)).float().cpu()
     seconds = time.perf_counter() - t0
     ev = evaluate_rollout(fake, real, poses, ctx, window_reach=window)
     row = {"frames_per_s": real.shape[0] * frames / seconds, "kv_bytes": hm.last_state.nbytes(),
@@ -216,6 +231,16 @@ def _measure(hm: HybridModel, diffusion: Any, sched: Any, real: torch.Tensor, ac
     for s_p, s_s in zip(ev["psnr_by_span"], ev["ssim_by_span"]):
         row[f"psnr {s_p['label']}"], row[f"ssim {s_s['label']}"] = s_p["mean"], s_s["mean"]
     return row, ev
+
+
+def _rollout_poses(cfg: Config, poses: torch.Tensor | None) -> torch.Tensor | None:
+    """The episodes' poses for a pose-aware model (it chooses its memory by them), None for any other."""
+    if cfg.memory.select != "pose":
+        return None
+    if poses is None:
+        raise HybridError("a pose-aware run (memory.select=pose) is rolled out with the episodes' poses: give --data "
+                          "episodes with a 'pose' array")
+    return poses
 
 
 def _load_report_ratios(run: str, h: HybridConfig, overrides: Sequence[str], device: str, data: str | None,
@@ -267,8 +292,10 @@ def run_report(run: str, *, fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
     actions, eta = actions.to(dev), cfg.diffusion.eta
     # one untimed warm-up rollout (of the first episode), so the first configuration's frames/s does not pay
     # for first calls
+    warm_poses = _rollout_poses(cfg, poses)
     rollout(model, diffusion, sched, real[:1, :ctx].to(dev), actions[:1, :ctx], actions[:1, ctx:],
-            min(frames, sched.delta), eta=eta, generator=torch.Generator().manual_seed(seed), progress=False)
+            min(frames, sched.delta), eta=eta, generator=torch.Generator().manual_seed(seed), progress=False,
+            poses=None if warm_poses is None else warm_poses[:1])
     rows, points = [], []
     configs = _report_configs(ratios["ratios"], fractions, seed)
     for name, f, layers in tqdm(configs, desc="hybrid report", disable=not progress, leave=False):
