@@ -77,6 +77,10 @@ def _setup(args):
     """(model, run config, run context, hybrid config, offline ratios, diffusion, schedule, device)."""
     dev = torch.device(args.device)
     model, cfg = load_for_inference(args.run, device=dev)
+    if cfg.memory.select == "pose":  # its memory is re-chosen every window and never grows: nothing to measure here
+        sys.exit(f"benchmarks/hybrid.py: error: {args.run} chooses memory by pose (memory.select=pose); this "
+                 "benchmark grows a time-based memory to 64..1,024 frames. Use a time-memory run, e.g. "
+                 "python train.py --preset tiny_time --out runs/tiny_time")
     h = HR.hybrid_settings(cfg, ["hybrid.select=offline", *args.overrides, f"hybrid.fraction={args.fraction}"])
     rpath = L.ratios_path(h, args.run)
     if h.select == "offline" and not rpath.is_file():
