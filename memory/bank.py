@@ -70,6 +70,24 @@ class MemoryFrames:
             return self.positions
         return torch.arange(self.frames.shape[1], device=self.frames.device)
 
+    @classmethod
+    def of_clip(cls, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
+                ages: torch.Tensor | None = None, levels: torch.Tensor | None = None,
+                last: torch.Tensor | None = None) -> MemoryFrames:
+        """The memory of a clip whose first m frames (B,m,C,H,W) are the past and the rest the window (positions
+        0..m-1; the window follows at m): training's clips and the hybrid calibration's.
+
+        Pose-chosen memory (memory.select=pose) also gives `poses` (B,m+w,3) of memory and window frames and the
+        memory frames' `ages` (B,m) (None = from positions: m..1 for a contiguous clip): the window's poses become
+        the memory's `target_poses`. Noised memory frames come with their `levels` (B,m) int64 (None = clean) and
+        the last frame before noising, `last` (B,C,H,W).
+        """
+        m = frames.shape[1]
+        if poses is None:
+            return cls(frames, actions, levels=levels, last=last)
+        return cls(frames, actions, poses=poses[:, :m], ages=ages, target_poses=poses[:, m:], levels=levels,
+                   last=last)
+
 
 class MemoryBank:
     """Committed frames (clean, or at their noise levels) under a retention policy.

@@ -331,23 +331,30 @@ TINY = ["model.image_size=16", "data.resize=0", "model.patch_size=4", "model.dim
         "hybrid.sink=1", "hybrid.recent=2", "hybrid.last_frames=1"]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def _train_tiny(root, poses: bool = False, overrides=()):
+    """A 2-step tiny run on random 16 px episodes (with camera poses when ``poses``) in ``root``; returns root."""
     import numpy as np
 
     from arvdm.config import get_preset
     from arvdm.training.trainer import Trainer
 
-    root = tmp_path_factory.mktemp("hybrid")
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(1 if poses else 0)
     for split, n in (("training", 2), ("validation", 2)):
         (root / "data" / split).mkdir(parents=True)
         for i in range(n):
-            np.savez(root / "data" / split / f"ep_{i:06d}.npz",
-                     video=rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8), actions=rng.integers(0, 6, 40))
-    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={root / 'data'}"]).validate()
+            arrays = {"video": rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8), "actions": rng.integers(0, 6, 40)}
+            if poses:
+                arrays["pose"] = np.stack([np.arange(40) % 7, np.zeros(40), np.linspace(-3, 3, 40)],
+                                          axis=1).astype(np.float32)
+            np.savez(root / "data" / split / f"ep_{i:06d}.npz", **arrays)
+    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={root / 'data'}", *overrides]).validate()
     Trainer(cfg, root / "run").fit()
     return root
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    return _train_tiny(tmp_path_factory.mktemp("hybrid"))
 
 
 def test_fine_tune_mode_trains_streaming_layers_and_saves_them(tiny_run):
@@ -397,22 +404,8 @@ def test_calibrate_sample_and_report_clis(tiny_run, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def pose_run(tmp_path_factory):
     """A tiny run that chooses its memory by camera pose (the `tiny` preset's way), on episodes with poses."""
-    import numpy as np
-
-    from arvdm.config import get_preset
-    from arvdm.training.trainer import Trainer
-
-    root = tmp_path_factory.mktemp("hybrid_pose")
-    rng = np.random.default_rng(1)
-    for split, n in (("training", 2), ("validation", 2)):
-        (root / "data" / split).mkdir(parents=True)
-        for i in range(n):
-            pose = np.stack([np.arange(40) % 7, np.zeros(40), np.linspace(-3, 3, 40)], axis=1).astype(np.float32)
-            np.savez(root / "data" / split / f"ep_{i:06d}.npz", pose=pose,
-                     video=rng.integers(0, 256, (40, 16, 16, 3), dtype=np.uint8), actions=rng.integers(0, 6, 40))
-    cfg = apply_overrides(get_preset("tiny_time"), TINY + [f"data.path={root / 'data'}", "memory.select=pose",
-                                                          "memory.pose_frames=2"]).validate()
-    Trainer(cfg, root / "run").fit()
+    root = _train_tiny(tmp_path_factory.mktemp("hybrid_pose"), poses=True,
+                       overrides=("memory.select=pose", "memory.pose_frames=2"))
     return root / "run"
 
 

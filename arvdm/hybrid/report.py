@@ -87,7 +87,6 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
     if pose_aware and (poses is None or poses.shape[0] != n or poses.shape[1] < t):
         raise HybridError("a pose-aware model (memory.select=pose) is calibrated on clips with their poses: give "
                           f"poses (N, >= T, 3) = ({n}, >= {t}, 3) (episodes with a 'pose' array)")
-    ages = torch.arange(memory, 0, -1, device=clips.device)[None]  # (1, m): the last memory frame is 1 frame back
     was_retention = [layer.retention for layer in layers]
     convert_layers(layers, [], sink=hybrid.sink, recent=hybrid.recent)
     gen = torch.Generator().manual_seed(seed)
@@ -97,13 +96,9 @@ def calibrate(model: Any, diffusion: Any, clips: torch.Tensor, actions: torch.Te
         with measuring(layers, sink=hybrid.sink, recent=hybrid.recent, last_frames=hybrid.last_frames) as meters:
             for c in range(n):
                 x0 = clips[c:c + 1, memory:]  # (1, w, C, H, W)
-                mem = None
-                if memory and pose_aware:  # as training gives it: the window's poses are the memory's targets
-                    p = poses[c:c + 1, :t].to(clips)  # (1, T, 3)
-                    mem = MemoryFrames(clips[c:c + 1, :memory], actions[c:c + 1, :memory], poses=p[:, :memory],
-                                       ages=ages, target_poses=p[:, memory:])
-                elif memory:
-                    mem = MemoryFrames(clips[c:c + 1, :memory], actions[c:c + 1, :memory])
+                # as training gives a clip's memory; a pose-aware model reads the poses (the window's are its targets)
+                mem = MemoryFrames.of_clip(clips[c:c + 1, :memory], actions[c:c + 1, :memory],
+                                           poses[c:c + 1, :t].to(clips) if pose_aware else None) if memory else None
                 noise = torch.randn(x0.shape, generator=gen).to(x0)
                 for j, level in enumerate(levels):
                     lv = torch.full((1, w), int(level), dtype=torch.long, device=x0.device)  # (1, w)

@@ -36,22 +36,6 @@ ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
 ADVECTION_LOSS_WEIGHT = 1.0  # model.action_advection: the advected last frame's |adv - x0|^2 beside the v-MSE
 
 
-def memory_frames(frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
-                  ages: torch.Tensor | None = None, levels: torch.Tensor | None = None,
-                  last: torch.Tensor | None = None) -> MemoryFrames:
-    """The model's `memory=` argument for past frames (B,m,C,H,W) and their actions (B,m).
-
-    Pose-chosen memory (memory.select=pose) also gives `poses` (B,m+w,3) of memory and window frames and the
-    memory frames' `ages` (B,m): the window's poses become the memory's `target_poses`. Noised memory frames
-    come with their `levels` (B,m) int64 (None = clean) and the last frame before noising, `last` (B,C,H,W).
-    """
-    m = frames.shape[1]
-    if poses is None:  # positions 0..m-1; the window follows at m..m+w-1
-        return MemoryFrames(frames, actions, levels=levels, last=last)
-    return MemoryFrames(frames, actions, poses=poses[:, :m], ages=ages, target_poses=poses[:, m:], levels=levels,
-                        last=last)
-
-
 def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int,
                            num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
@@ -161,12 +145,12 @@ def _memory(diffusion, frames: torch.Tensor, actions: torch.Tensor, poses: torch
         levels, noise = levels.to(frames.device), noise.to(frames.device)
         frames = diffusion.add_noise(frames, noise, levels)  # (B, m, C, H, W) at their levels
     if drop_memory is not None:
-        return None if drop_memory else memory_frames(frames, actions, poses, ages, levels, last)
+        return None if drop_memory else MemoryFrames.of_clip(frames, actions, poses, ages, levels, last)
     if memory_dropout > 0:
         coin = torch.rand((), generator=generator, device=generator.device)
         if bool(coin < memory_dropout):  # the whole batch sees the window only (as v_nomem does at sampling)
             return None
-    return memory_frames(frames, actions, poses, ages, levels, last)
+    return MemoryFrames.of_clip(frames, actions, poses, ages, levels, last)
 
 
 def _gated_clips(b: int, generator: torch.Generator, device: torch.device,
@@ -206,7 +190,7 @@ def rollout_context(model, diffusion, video: torch.Tensor, actions: torch.Tensor
     x = torch.randn((b, g, *video.shape[2:]), generator=generator, device=generator.device, dtype=video.dtype)
     x = x.to(video.device)  # (B, G, C, H, W) at level K
     rows = torch.tensor(schedule.matrix, device=video.device)[:, None].expand(-1, b, g)  # (M+1, B, G) levels
-    mem = memory_frames(video[:, :m], actions[:, :m], None if poses is None else poses[:, :m + g], ages)
+    mem = MemoryFrames.of_clip(video[:, :m], actions[:, :m], None if poses is None else poses[:, :m + g], ages)
     act = actions[:, m:m + g]  # (B, G)
     for la, lb in zip(rows[:-1], rows[1:]):
         with autocast():
