@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # lazy: torch loads with these imports, after setup_environment (OpenMP reads its variables once)
-    from arvdm.config import SampleSettings
     from arvdm.errors import USER_ERRORS
     from arvdm.hybrid.convert import describe
+    from arvdm.sample_settings import SampleSettings
     from arvdm.sampling import sample_run
 
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,

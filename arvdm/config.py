@@ -15,14 +15,13 @@ import json
 import math
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from arvdm.errors import ArvdmError
 from arvdm.presets import PRESETS  # the named presets' overrides (data only)
-from memory.select import SELECTIONS, recent_frames  # how a pose-aware run may choose memory at sampling
+from memory.select import recent_frames
 
 
 class ConfigError(ArvdmError):
@@ -383,61 +382,6 @@ def parse_device(name: str | None, flag: str = "--device") -> "torch.device":
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
-
-
-@dataclass
-class SampleSettings:
-    """How `sample.py` / `arvdm.sampling.sample_run` rolls a trained run out (each field is a sample.py flag)."""
-
-    frames: int | None = None  # frames to generate; None = all the episodes hold after the context
-    schedule: str = "chunked"  # chunked | fifo | pyramid | path to a schedule file
-    steps: int = 20  # denoising calls each frame takes from K to 0 (the presets compare at equal steps)
-    context: int | None = None  # ground-truth frames to condition on; None = Config.default_context()
-    episodes: int = 4
-    batch_size: int = 4
-    eta: float | None = None  # 0 = DDIM, 1 = DDPM-like; None = the run's diffusion.eta
-    seed: int = 0
-    use_cache: bool = True  # False = recompute the memory at every denoising call (Diffusion Forcing)
-    evaluate: bool = False
-    data: str | None = None  # TECO-layout folder; None = the run's own cfg.data.path
-    split: str = "validation"  # which split of the data folder to roll out (validation | training)
-    use_ema: bool = True
-    device: str = "auto"
-    progress: bool = True
-    hybrid: dict[str, Any] | None = None  # hybrid-attention overrides, e.g. {"fraction": 0.5} (arvdm.hybrid)
-    compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
-    context_level: int | None = None  # k_ctx of finished frames in memory; None = the run's / a schedule file's
-    history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
-    candidates: int = 1  # N: per AR step keep the medoid of N candidates (minimum Bayes risk); N times the compute
-    speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
-    draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
-    lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
-    level_bins: int = 1  # > 1: one bandit per bin of the noise level a round starts from
-    memory_select: str | None = None  # pose-aware runs: pose | time | none | other (memory.SELECTIONS); None = pose
-
-    def validate(self) -> SampleSettings:
-        """Check every setting before any work starts; errors name the sample.py flag."""
-        for flag, value, lo in (("--frames", self.frames, 1), ("--steps", self.steps, 1),
-                                ("--context", self.context, 0), ("--episodes", self.episodes, 1),
-                                ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0),
-                                ("--context-level", self.context_level, 0), ("--candidates", self.candidates, 1)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
-                raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
-        if self.eta is not None:
-            check_eta(self.eta, "--eta", SamplingError)
-        if self.memory_select not in (None, *SELECTIONS):
-            raise SamplingError(f"--memory-select {self.memory_select!r}: choose one of {', '.join(SELECTIONS)}")
-        check_guidance(self.history_guidance, "--history-guidance", SamplingError)
-        if self.candidates > 1 and (self.speculate or self.memory_select == "other"):
-            raise SamplingError(f"--candidates {self.candidates} cannot go with --speculate or --memory-select other "
-                                "(speculative rows keep per-sample state; 'other' reads the neighbouring sample)")
-        if str(self.schedule) not in SCHEDULE_PRESETS and not Path(self.schedule).is_file():
-            raise SamplingError(f"--schedule {self.schedule}: unknown schedule, not a preset "
-                                f"({', '.join(SCHEDULE_PRESETS)}) and no such file")
-        if self.data is not None and not Path(self.data).is_dir():
-            raise SamplingError(f"--data {self.data}: folder does not exist")
-        parse_device(self.device)
-        return self
 
 
 def get_preset(name: str) -> Config:

@@ -1,6 +1,6 @@
 """Long rollouts of a trained run against ground-truth episodes: videos, TECO-style arrays, metrics.
 
-    from arvdm.config import SampleSettings
+    from arvdm.sample_settings import SampleSettings
     from arvdm.sampling import sample_run
     paths = sample_run("runs/tiny", "runs/tiny/samples/chunked", SampleSettings(schedule="fifo", frames=120))
 
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from arvdm.config import FROZEN_DRAFT as FROZEN
-from arvdm.config import SCHEDULE_PRESETS, Config, SampleSettings, SamplingError, parse_device
+from arvdm.config import SCHEDULE_PRESETS, Config, SamplingError, parse_device
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
 from arvdm.evaluation.holdup import hold_up
@@ -49,6 +49,7 @@ from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.pipeline.video import filmstrip, side_by_side, to_uint8, write_image, write_video
+from arvdm.sample_settings import SampleSettings
 from arvdm.schedules.matrix import ARSchedule, check_context_level
 from arvdm.schedules.presets import get_schedule
 from arvdm.speculative.rows import (

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/grid_cost.py` from the repo root
 
-from arvdm.config import SCHEDULE_PRESETS, SampleSettings, parse_device  # noqa: E402
+from arvdm.config import SCHEDULE_PRESETS, parse_device  # noqa: E402
 from arvdm.errors import USER_ERRORS  # noqa: E402
 from arvdm.experiments.cells import GridError  # noqa: E402
 from arvdm.experiments.labels import cell_labels  # noqa: E402
@@ -40,6 +40,7 @@ from arvdm.experiments.results import cells_for_report  # noqa: E402
 from arvdm.experiments.tradeoff import COST_FILE, find_eval_data  # noqa: E402
 from arvdm.model.checkpoint import latest_checkpoint  # noqa: E402
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes  # noqa: E402
+from arvdm.sample_settings import SampleSettings  # noqa: E402
 from arvdm.sampling import roll_out_episodes  # noqa: E402
 from arvdm.schedules.presets import get_schedule  # noqa: E402
 from benchmarks.common import interleaved, median, print_table, set_threads  # noqa: E402

@@ -12,9 +12,10 @@ import torch
 from test_noisy_context import B, K, clip, make, poses
 
 import sample
-from arvdm.config import SampleSettings, SamplingError
+from arvdm.config import SamplingError
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import candidate_generators, episode_generators, medoid, rollout
+from arvdm.sample_settings import SampleSettings
 from arvdm.schedules.presets import chunked, fifo
 from arvdm.speculative.rows import SpeculativeRows, make_speculation
 

@@ -11,10 +11,11 @@ import json
 import pytest
 import torch
 
-from arvdm.config import ConfigError, SampleSettings, SamplingError, apply_overrides, get_preset
+from arvdm.config import ConfigError, SamplingError, apply_overrides, get_preset
 from arvdm.model.denoiser import Denoiser, DenoiserError
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
+from arvdm.sample_settings import SampleSettings
 from arvdm.schedules.files import load_schedule
 from arvdm.schedules.matrix import ScheduleError
 from arvdm.schedules.presets import chunked, fifo, get_schedule

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from arvdm.config import ConfigError, SampleSettings, SamplingError, apply_overrides, get_preset
+from arvdm.config import ConfigError, SamplingError, apply_overrides, get_preset
 from arvdm.model.denoiser import Denoiser, DenoiserError
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
+from arvdm.sample_settings import SampleSettings
 from arvdm.schedules.presets import get_schedule
 from arvdm.training import pose_clips
 from arvdm.training.objective import diffusion_forcing_loss

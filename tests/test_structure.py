@@ -34,7 +34,7 @@ MAY_IMPORT = {"arvdm": {"arvdm", "memory", "kernels", "data"}, "memory": {"memor
 # Inside arvdm, a module may import its own unit and the units of lower layers.
 ARVDM_LAYERS = (
     ("arvdm.config", "arvdm.presets", "arvdm.errors", "arvdm.runtime", "arvdm.checks"),
-    ("arvdm.model", "arvdm.schedules", "arvdm.evaluation"),
+    ("arvdm.model", "arvdm.schedules", "arvdm.evaluation", "arvdm.sample_settings"),
     ("arvdm.pipeline",),
     ("arvdm.hybrid", "arvdm.speculative", "arvdm.training"),
     ("arvdm.sampling",),

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from arvdm.config import SampleSettings, SamplingError
+from arvdm.config import SamplingError
 from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import MIN_EVENTS, format_interval, memory_probes, paired_difference, pooled_rate
@@ -45,6 +45,7 @@ from arvdm.experiments.memory_probe_test import keep_every, load_episodes, probe
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.runs import load_for_inference
+from arvdm.sample_settings import SampleSettings
 from arvdm.schedules.matrix import ARSchedule
 from arvdm.schedules.presets import get_schedule
 from data.atomic import atomic_write, atomic_write_json

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from arvdm.config import SampleSettings, SamplingError
+from arvdm.config import SamplingError
 from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame, ssim_per_frame
 from arvdm.evaluation.probes import MIN_EVENTS, memory_probes, paired_difference, pooled_rate, psnr_matrix
@@ -60,6 +60,7 @@ from arvdm.evaluation.revisits import DEFAULT_HEADING_TOL, DEFAULT_POS_TOL, pose
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.model.state import RolloutState
 from arvdm.pipeline.runs import load_for_inference
+from arvdm.sample_settings import SampleSettings
 from arvdm.schedules.matrix import ARSchedule
 from arvdm.schedules.presets import get_schedule
 from data.atomic import atomic_write_json

@@ -24,10 +24,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from arvdm.config import Config, SampleSettings
+from arvdm.config import Config
 from arvdm.experiments.cells import Cell, Grid, GridError, select_cells
 from arvdm.experiments.report import write_report
 from arvdm.model.checkpoint import checkpoint_step, latest_checkpoint, load_config
+from arvdm.sample_settings import SampleSettings
 from arvdm.sampling import sample_run
 from arvdm.training.trainer import train
 from data.atomic import atomic_write_json, atomic_write_text

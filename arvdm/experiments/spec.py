@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arvdm.config import Config, ConfigError, SampleSettings, apply_overrides, get_preset
+from arvdm.config import Config, ConfigError, apply_overrides, get_preset
 from arvdm.experiments.cells import MEMORY_KEYS, GridError
+from arvdm.sample_settings import SampleSettings
 
 __all__ = ["RUNNER_SAMPLE_FIELDS", "GridSpec", "check_top", "fmt_value", "name_part", "read_report", "read_spec"]
 
