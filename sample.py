@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=int, default=1, metavar="N",
                    help="N candidates per episode; each AR step keeps the one closest to the others (minimum Bayes "
                         "risk under squared error) and goes on from it: less of a sample's spread, N times the compute")
+    p.add_argument("--anchor-sigma", type=float, default=0.0, metavar="S",
+                   help="hold every frame's low frequencies (Gaussian blur of S pixels) at its first prediction, the "
+                        "model's conditional mean; the sampler draws the rest (docs/sampling.md); 0 = off")
     p.add_argument("--seed", type=int, default=0, help="noise seed (episode e draws from its own generator, "
                    "seeded by (seed, e))")
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                               compile=args.compile, speculate=args.speculate, draft=args.draft,
                               lookaheads=lookaheads, level_bins=args.level_bins, memory_select=args.memory_select,
                               context_level=args.context_level, history_guidance=args.history_guidance,
-                              candidates=args.candidates)
+                              candidates=args.candidates, anchor_sigma=args.anchor_sigma)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads

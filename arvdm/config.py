@@ -64,6 +64,14 @@ def check_guidance(weight: Any, name: str, error: type[ArvdmError] = ConfigError
     return value
 
 
+def check_anchor_sigma(sigma: Any, name: str, error: type[ArvdmError] = ConfigError) -> float:
+    """The one check of the low-frequency anchor's blur σ (arvdm.pipeline.anchor): a finite number of pixels >= 0
+    (0 = no anchor; NaN / inf refused)."""
+    if not (math.isfinite(value := _number(sigma)) and value >= 0):
+        raise error(f"{name} must be a finite number of pixels >= 0 (0 = no low-frequency anchor), got {sigma!r}")
+    return value
+
+
 @dataclass
 class DiffusionConfig:
     """Noise tables come from a diffusers scheduler; levels 0..num_levels, 0 = clean, K = pure noise."""

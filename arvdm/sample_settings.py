@@ -1,7 +1,7 @@
 """sample.py's settings: one dataclass, each field a flag, checked before any work starts.
 
     from arvdm.sample_settings import SampleSettings
-    settings = SampleSettings(schedule="fifo", frames=120).validate()
+    settings = SampleSettings(schedule="fifo", frames=120, anchor_sigma=1.0).validate()
     arvdm.sampling.sample_run("runs/tiny", "runs/tiny/samples/fifo", settings)
 """
 
@@ -15,6 +15,7 @@ from arvdm.config import (
     FROZEN_DRAFT,
     SCHEDULE_PRESETS,
     SamplingError,
+    check_anchor_sigma,
     check_eta,
     check_guidance,
     parse_device,
@@ -48,6 +49,7 @@ class SampleSettings:
     context_level: int | None = None  # k_ctx of finished frames in memory; None = the run's / a schedule file's
     history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
     candidates: int = 1  # N: per AR step keep the medoid of N candidates (minimum Bayes risk); N times the compute
+    anchor_sigma: float = 0.0  # σ px: frames' low frequencies held to their level-K x̂0 (arvdm.pipeline.anchor); 0 = off
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
     draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
     lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
@@ -67,6 +69,9 @@ class SampleSettings:
         if self.memory_select not in (None, *SELECTIONS):
             raise SamplingError(f"--memory-select {self.memory_select!r}: choose one of {', '.join(SELECTIONS)}")
         check_guidance(self.history_guidance, "--history-guidance", SamplingError)
+        if check_anchor_sigma(self.anchor_sigma, "--anchor-sigma", SamplingError) > 0 and self.speculate:
+            raise SamplingError(f"--anchor-sigma {self.anchor_sigma} cannot go with --speculate (the anchor moves each "
+                                "call's v; speculative rows verify drafted rows in one call)")
         if self.candidates > 1 and (self.speculate or self.memory_select == "other"):
             raise SamplingError(f"--candidates {self.candidates} cannot go with --speculate or --memory-select other "
                                 "(speculative rows keep per-sample state; 'other' reads the neighbouring sample)")

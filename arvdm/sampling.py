@@ -159,7 +159,7 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
                       poses=p if cfg.memory.select == "pose" else None,
                       memory_select=settings.memory_select,
                       history_guidance=settings.history_guidance,
-                      candidates=settings.candidates)  # (b, n_gen, C, H, W)
+                      candidates=settings.candidates, anchor_sigma=settings.anchor_sigma)  # (b, n_gen, C, H, W)
         if spec is not None:
             specs.append(spec)
             reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,

@@ -191,3 +191,16 @@ def test_candidates_reach_the_rollout_and_are_recorded(run, tmp_path):
     one, three = (np.load(tmp_path / d / "rollout.npz")["fake"][:, 4:].astype(np.int16) for d in ("one", "three"))
     assert np.abs(one - three).mean() > 1
     assert json.loads((tmp_path / "three" / "eval.json").read_text())["settings"]["candidates"] == 3
+
+
+def test_anchor_sigma_reaches_the_rollout_and_is_recorded(run, tmp_path):
+    """--anchor-sigma 1 holds the frames' low frequencies to their level-K predictions (the rule is tested in
+    test_anchor.py): other frames than the plain sampler's from the same --seed; the setting lands in eval.json."""
+    run_dir, _ = run
+    flags = ["--run", str(run_dir), "--frames", "8", "--context", "4", "--episodes", "2", "--steps", "3", "--eval"]
+    assert sample.main([*flags, "--out", str(tmp_path / "plain")]) == 0
+    assert sample.main([*flags, "--anchor-sigma", "1", "--out", str(tmp_path / "anchored")]) == 0
+    plain, anchored = (np.load(tmp_path / d / "rollout.npz")["fake"][:, 4:].astype(np.int16)
+                       for d in ("plain", "anchored"))
+    assert np.abs(plain - anchored).mean() > 1
+    assert json.loads((tmp_path / "anchored" / "eval.json").read_text())["settings"]["anchor_sigma"] == 1.0

@@ -26,6 +26,9 @@ k_ctx = 0 and W = 0 are exactly the plain rollout (nothing extra drawn, one mode
 finished frames are closest (summed squared distance) to the others' — the minimum-Bayes-risk choice under a
 squared-error loss (Kumar & Byrne 2004) — copies its window to all N, and commits it: one sharp rollout that
 pays less of a sample's own spread, for N times the compute. N = 1 is exactly the plain rollout.
+``anchor_sigma`` σ > 0 holds every frame's low frequencies (a Gaussian blur of σ pixels) at its level-K
+prediction, the model's conditional mean, and lets the sampler draw the rest (:mod:`arvdm.pipeline.anchor`);
+σ = 0 is exactly the plain rollout.
 
 ``use_cache=False`` is the Diffusion Forcing reference behaviour: no KV cache; at every denoising call the
 model re-encodes the remembered past frames, passed as ``memory=MemoryFrames(...)``. Which past frames are
@@ -45,8 +48,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from arvdm.config import SamplingError, check_eta, check_guidance
+from arvdm.config import SamplingError, check_anchor_sigma, check_eta, check_guidance
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.anchor import LowFrequencyAnchor
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.rows import Generators, PlainRows, RolloutContext, RolloutStep, RowRunner
 from arvdm.schedules.matrix import ARSchedule, check_context_level
@@ -61,7 +65,7 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             generator: Generators = None, use_cache: bool = True, progress: bool = True,
             return_intermediate: bool = False, rows: RowRunner | None = None, poses: torch.Tensor | None = None,
             memory_select: str | None = None, context_level: int | None = None, history_guidance: float = 0.0,
-            candidates: int = 1) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+            candidates: int = 1, anchor_sigma: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """Generate ``n_frames`` frames after ``context`` with a Meta-ARVDM schedule.
 
     Args:
@@ -105,6 +109,9 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             kept (:func:`medoid`), its whole window is copied to the N, and its frames are emitted and committed.
             Candidate 0 of a sample draws from the sample's own generator, candidate j from
             :func:`candidate_generators`; N times the batch, memory and compute. 1 = the plain rollout.
+        anchor_sigma: σ >= 0 pixels (plain rows): every frame's x̂0 keeps the low frequencies (Gaussian blur of σ)
+            of its prediction at level K, the model's conditional mean (:mod:`arvdm.pipeline.anchor`); no model
+            call is added. 0 = exactly the plain sampler.
 
     Returns:
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.
@@ -113,7 +120,7 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     if n_cand == 1:
         return _rollout(model, diffusion, schedule, context, context_actions, actions, n_frames, eta, generator,
                         use_cache, progress, return_intermediate, rows, poses, memory_select, context_level,
-                        history_guidance, n_candidates=1)
+                        history_guidance, anchor_sigma, n_candidates=1)
     b = _check_inputs(context, context_actions, actions, n_frames)[0]
     # N candidates of every sample side by side: sample i's are rows i*N .. i*N + N-1
     context, context_actions, actions = (t.repeat_interleave(n_cand, dim=0)
@@ -121,7 +128,8 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     poses = None if poses is None else poses.repeat_interleave(n_cand, dim=0)
     video = _rollout(model, diffusion, schedule, context, context_actions, actions, n_frames, eta,
                      candidate_generators(generator, n_cand, b), use_cache, progress, False, None, poses,
-                     memory_select, context_level, history_guidance, n_candidates=n_cand)  # (B*N, n_frames, ...)
+                     memory_select, context_level, history_guidance, anchor_sigma,
+                     n_candidates=n_cand)  # (B*N, n_frames, ...)
     return video[::n_cand]  # the N are identical after every choice: (B, n_frames, ch, H, W)
 
 
@@ -129,7 +137,8 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
              context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, eta: float | None,
              generator: Generators, use_cache: bool, progress: bool, return_intermediate: bool,
              rows: RowRunner | None, poses: torch.Tensor | None, memory_select: str | None, context_level: int | None,
-             history_guidance: float, n_candidates: int) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+             history_guidance: float, anchor_sigma: float,
+             n_candidates: int) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """:func:`rollout` on a batch that holds ``n_candidates`` consecutive candidates of every sample."""
     b, n_ctx = _check_inputs(context, context_actions, actions, n_frames)
     _check_generators(generator, b)
@@ -137,16 +146,18 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
     k_ctx = schedule.context_level if context_level is None else check_context_level(
         context_level, schedule.num_levels, "rollout context_level")
     guidance = check_guidance(history_guidance, "rollout history_guidance", SamplingError)
+    sigma = check_anchor_sigma(anchor_sigma, "rollout anchor_sigma", SamplingError)
     runner = PlainRows() if rows is None else rows
-    if (k_ctx or guidance) and not isinstance(runner, PlainRows):
-        raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} need the plain row runner; "
-                            f"{type(runner).__name__} does not support them yet (use context_level=0 and "
-                            "history_guidance=0, or no speculation)")
+    if (k_ctx or guidance or sigma) and not isinstance(runner, PlainRows):
+        raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} / anchor_sigma={sigma} need the "
+                            f"plain row runner; {type(runner).__name__} does not support them yet (use "
+                            "context_level=0, history_guidance=0 and anchor_sigma=0, or no speculation)")
     _check_model(model, diffusion, schedule, n_ctx)
     _check_action_range(model, context_actions, actions[:, :n_frames])  # once per rollout, not per call
     ctx = RolloutContext(model, diffusion, eta, generator, b, context.device, context.dtype,
                          record=[] if return_intermediate else None, context_level=k_ctx,
-                         history_guidance=guidance, candidates=n_candidates)
+                         history_guidance=guidance, candidates=n_candidates,
+                         anchor=LowFrequencyAnchor(diffusion, sigma) if sigma > 0 else None)
     select = {} if memory_select is None else {"memory_select": memory_select}
     if use_cache:  # the model's own state (KV caches + bank)
         ctx.state = model.init_state(b, **select)
@@ -195,12 +206,12 @@ def medoid(candidates: torch.Tensor) -> torch.Tensor:
 
 
 def _select_candidate(x: torch.Tensor, n_cand: int, delta: int) -> torch.Tensor:
-    """Every sample's N candidate windows (B*N, w, ...) replaced by the one whose first ``delta`` (finished) frames
-    are the medoid of the N."""
+    """Row index (B*N,) that replaces every sample's N candidate windows (B*N, w, ...) by the one whose first
+    ``delta`` (finished) frames are the medoid of the N."""
     groups = x.unflatten(0, (-1, n_cand))  # (B, N, w, ch, H, W)
     best = medoid(groups[:, :, :delta])  # (B,)
-    chosen = groups[torch.arange(groups.shape[0], device=x.device), best]  # (B, w, ch, H, W)
-    return chosen.repeat_interleave(n_cand, dim=0)  # (B*N, w, ch, H, W)
+    rows = torch.arange(groups.shape[0], device=x.device) * n_cand + best  # (B,) the chosen rows of x
+    return rows.repeat_interleave(n_cand)  # (B*N,)
 
 
 def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, acts: torch.Tensor, n_frames: int,
@@ -221,7 +232,10 @@ def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, 
             offset = a * delta
             x = runner.run_rows(x, S, acts[:, offset:offset + w], "ar", a, offset)
             if ctx.candidates > 1:  # keep every sample's medoid candidate; the N go on from its window
-                x = _select_candidate(x, ctx.candidates, delta)
+                keep = _select_candidate(x, ctx.candidates, delta)  # (B*N,)
+                x = x[keep]
+                if ctx.anchor is not None:
+                    ctx.anchor.select(keep)
             done = x[:, :delta]  # (B, Δ, ...): level 0 by the 0-T boundary t^O[0:Δ] = 0
             out.append(done)
             bar.update(min(delta, n_frames - emitted))
@@ -235,6 +249,8 @@ def _run_schedule(ctx: RolloutContext, runner: RowRunner, schedule: ARSchedule, 
             # Shift: the window keeps t^O[Δ:] = t^I[:w-Δ] (circularity); Δ new frames enter at level K.
             x = torch.cat([x[:, delta:], ctx.noise((b, delta, *frame_shape))], dim=1)
             runner.shift(delta)
+            if ctx.anchor is not None:
+                ctx.anchor.shift(delta)
     finally:
         bar.close()
     return torch.cat(out, dim=1)[:, :n_frames]  # (B, n_frames, ch, H, W)

@@ -13,10 +13,11 @@ Contract of a runner: every random number comes from ``RolloutContext.noise`` (t
 drawn in the order a plain rollout draws them, so that a rollout is reproducible from its seed; a runner
 never commits frames itself (the rollout does, then tells it through :meth:`RowRunner.commit`).
 
-Two error-accumulation levers live in the context, so every runner gets them through the same two methods:
+Three error-accumulation levers live in the context, so every runner gets them through the same two methods:
 ``RolloutContext.commit`` re-noises the frames to the context level k_ctx (noisy context), and
 ``RolloutContext.predict`` applies history guidance ``v = v_mem + W (v_mem - v_nomem)`` (DFoT, Song et al.
-2025), where ``v_nomem`` is the same window with no memory; W = 0 makes exactly one model call.
+2025), where ``v_nomem`` is the same window with no memory (W = 0 makes exactly one model call), then the
+low-frequency anchor (:mod:`arvdm.pipeline.anchor`; none = v unchanged).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.anchor import LowFrequencyAnchor
 from arvdm.pipeline.rollout_model import RolloutModel
 from memory import MemoryBank, PoseBank
 
@@ -94,6 +96,7 @@ class RolloutContext:
     context_level: int = 0
     history_guidance: float = 0.0
     candidates: int = 1  # N candidates per sample side by side (rollout(candidates=N)); the batch is B*N
+    anchor: LowFrequencyAnchor | None = None  # rollout(anchor_sigma > 0): low frequencies held to the level-K x̂0
 
     def noise(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The next standard normal draw of the rollout's generator(s), ``shape`` batch first."""
@@ -101,16 +104,17 @@ class RolloutContext:
 
     def predict(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The model's v (B, w, C, H, W) for the window ``x`` at ``levels`` (B, w), given the whole past;
-        with history guidance W != 0, ``v_mem + W (v_mem - v_nomem)`` (a second call, without memory)."""
+        with history guidance W != 0, ``v_mem + W (v_mem - v_nomem)`` (a second call, without memory); with an
+        anchor, that v moved so that the frames' x̂0 keep their anchor's low frequencies (arvdm.pipeline.anchor)."""
         if self.bank is None:
             v = self.model(x, levels, actions, state=self.state)
         else:
             v = self.model(x, levels, actions, memory=self.bank.memory(self.window_poses))  # recomputed
-        if self.history_guidance == 0:
-            return v
-        # the window alone: positions 0..w-1, the same relative positions (RoPE) as with memory
-        v_nomem = self.model(x, levels, actions, memory=None)  # (B, w, C, H, W)
-        return v + self.history_guidance * (v - v_nomem)
+        if self.history_guidance != 0:
+            # the window alone: positions 0..w-1, the same relative positions (RoPE) as with memory
+            v_nomem = self.model(x, levels, actions, memory=None)  # (B, w, C, H, W)
+            v = v + self.history_guidance * (v - v_nomem)
+        return v if self.anchor is None else self.anchor.apply(x, v, levels)
 
     def commit(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,
                target_poses: torch.Tensor | None = None, observed: bool = False) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""The low-frequency anchor: a sampler lever against error accumulation on views the model must invent (issue 21).
+
+    from arvdm.pipeline.anchor import LowFrequencyAnchor, gaussian_lowpass
+    frames = rollout(..., anchor_sigma=1.0)          # sample.py --anchor-sigma 1
+
+At the top level K a frame's clean-frame prediction x̂0 = E[x0 | past] is the model's conditional mean: blurred
+where the future is uncertain, but the best guess under squared error. A sample drawn from there commits to one
+layout and pays the spread of the model's distribution in PSNR; most of that spread is in the low frequencies
+(which wall where), most of what makes a frame look sharp in the high ones. The anchor keeps each frame's low
+frequencies at that first prediction's and lets the sampler draw the rest: at every denoising call of a frame
+that started at level K,
+
+    x̂0' = x̂0 + G_σ * (a − x̂0),   a = x̂0 at level K,   G_σ a Gaussian blur of σ pixels,
+
+and the call's v is replaced by the one that predicts x̂0' from the same x_t. With x_t = √ᾱ x0 + √(1−ᾱ) ε and
+x̂0 = √ᾱ x_t − √(1−ᾱ) v (Salimans & Ho 2022, App. D) that is v' = v − (x̂0' − x̂0) / √(1−ᾱ). The frame ends
+at level 0 with x0 = x̂0' of its last call: the anchor's low frequencies, the sample's high ones. No model call
+is added. σ = 0 is the plain sampler, exactly. This is a hedge, not a sample of the model's distribution: the
+layout of an invented view is the conditional mean's (measured in benchmarks/RESULTS.md, "the low-frequency
+anchor").
+
+A frame that never sat at level K (a schedule file whose windows start lower) is not anchored. The anchor is kept
+per window position and moves with the window (:meth:`LowFrequencyAnchor.shift`), so FIFO and pyramid schedules,
+whose frames enter at K at different rows, anchor every frame to its own first prediction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from arvdm.model.diffusion import PerFrameDiffusion
+
+__all__ = ["LowFrequencyAnchor", "gaussian_lowpass"]
+
+
+def gaussian_lowpass(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """``x`` (..., H, W) blurred by a normalized Gaussian of ``sigma`` pixels (radius ⌈3σ⌉, edges replicated), as two
+    separable 1-D convolutions; a constant image is returned unchanged."""
+    r = max(1, math.ceil(3 * sigma))
+    t = torch.arange(-r, r + 1, device=x.device, dtype=x.dtype)
+    k = torch.exp(-t.square() / (2 * sigma * sigma))
+    k = k / k.sum()  # (2r+1,)
+    shape = x.shape
+    y = x.reshape(-1, 1, shape[-2], shape[-1])  # (N, 1, H, W)
+    y = F.conv2d(F.pad(y, (r, r, 0, 0), mode="replicate"), k.view(1, 1, 1, -1))  # along W
+    y = F.conv2d(F.pad(y, (0, 0, r, r), mode="replicate"), k.view(1, 1, -1, 1))  # along H
+    return y.reshape(shape)
+
+
+class LowFrequencyAnchor:
+    """Per window position, the level-K prediction a frame's low frequencies are held to (module docstring).
+
+    ``apply`` is called once per denoising call with the window, the call's v and levels; ``shift`` when Δ frames
+    leave the window; ``select`` when the rollout keeps some samples' windows (candidates per AR step)."""
+
+    def __init__(self, diffusion: PerFrameDiffusion, sigma: float):
+        self.diffusion = diffusion
+        self.sigma = float(sigma)
+        self.anchor: torch.Tensor | None = None  # (B, w, C, H, W) each position's level-K x̂0
+        self.held: torch.Tensor | None = None  # (B, w) bool: the position's frame has an anchor
+
+    def apply(self, x: torch.Tensor, v: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """The call's v (B, w, C, H, W) for window ``x`` at ``levels`` (B, w), with every anchored frame's x̂0
+        low frequencies moved to its anchor's."""
+        d = self.diffusion
+        x0 = d.pred_x0(x, v, levels)  # (B, w, C, H, W)
+        top = levels == d.num_levels  # (B, w): frames whose x̂0 is the conditional mean
+        if self.anchor is None:
+            self.anchor, self.held = x0.detach().clone(), top.clone()
+        else:
+            self.anchor = torch.where(top[..., None, None, None], x0.detach(), self.anchor)
+            self.held = self.held | top
+        pull = self.held & ~top  # (B, w): at level K the anchor is x̂0 itself, nothing to move
+        if not bool(pull.any()):
+            return v
+        shift = gaussian_lowpass(self.anchor - x0, self.sigma) * pull[..., None, None, None]  # x̂0' − x̂0
+        noise_std = (1 - d.alpha_bar(levels)).sqrt().to(v.dtype)[..., None, None, None]  # √(1−ᾱ), > 0 below K
+        return v - shift / noise_std.clamp(min=1e-6)
+
+    def shift(self, delta: int) -> None:
+        """Δ frames left the window: positions move up by Δ, the Δ entering ones have no anchor yet."""
+        if self.anchor is None:
+            return
+        self.anchor = torch.cat([self.anchor[:, delta:], torch.zeros_like(self.anchor[:, :delta])], dim=1)
+        self.held = torch.cat([self.held[:, delta:], torch.zeros_like(self.held[:, :delta])], dim=1)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` (B,) of the batch, as the rollout did with its windows."""
+        if self.anchor is not None:
+            self.anchor, self.held = self.anchor[index], self.held[index]
