@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anchor-sigma", type=float, default=0.0, metavar="S",
                    help="hold every frame's low frequencies (Gaussian blur of S pixels) at its first prediction, the "
                         "model's conditional mean; the sampler draws the rest (docs/sampling.md); 0 = off")
+    p.add_argument("--anchor-floor", type=int, default=0, metavar="L",
+                   help="with --anchor-sigma: pull only in the denoising calls that start above noise level L (the "
+                        "last details drawn freely, sharper frames); 0 = every call")
     p.add_argument("--seed", type=int, default=0, help="noise seed (episode e draws from its own generator, "
                    "seeded by (seed, e))")
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                               compile=args.compile, speculate=args.speculate, draft=args.draft,
                               lookaheads=lookaheads, level_bins=args.level_bins, memory_select=args.memory_select,
                               context_level=args.context_level, history_guidance=args.history_guidance,
-                              candidates=args.candidates, anchor_sigma=args.anchor_sigma)
+                              candidates=args.candidates, anchor_sigma=args.anchor_sigma,
+                              anchor_floor=args.anchor_floor)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads

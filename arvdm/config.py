@@ -72,6 +72,14 @@ def check_anchor_sigma(sigma: Any, name: str, error: type[ArvdmError] = ConfigEr
     return value
 
 
+def check_anchor_floor(floor: Any, num_levels: int, name: str, error: type[ArvdmError] = ConfigError) -> int:
+    """The one check of the level the anchor's pull stops at: an integer in 0..K-1 (0 = it pulls in every call)."""
+    if isinstance(floor, bool) or not isinstance(floor, int) or not 0 <= floor < num_levels:
+        raise error(f"{name} must be an integer noise level in 0..K-1 = 0..{num_levels - 1} (the anchor pulls in "
+                    f"the calls that start above it; 0 = every call), got {floor!r}")
+    return floor
+
+
 @dataclass
 class DiffusionConfig:
     """Noise tables come from a diffusers scheduler; levels 0..num_levels, 0 = clean, K = pure noise."""

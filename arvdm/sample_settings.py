@@ -50,6 +50,7 @@ class SampleSettings:
     history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
     candidates: int = 1  # N: per AR step keep the medoid of N candidates (minimum Bayes risk); N times the compute
     anchor_sigma: float = 0.0  # σ px: frames' low frequencies held to their level-K x̂0 (arvdm.pipeline.anchor); 0 = off
+    anchor_floor: int = 0  # the anchor pulls in calls that start above this level only; 0 = every call
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
     draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
     lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
@@ -61,7 +62,8 @@ class SampleSettings:
         for flag, value, lo in (("--frames", self.frames, 1), ("--steps", self.steps, 1),
                                 ("--context", self.context, 0), ("--episodes", self.episodes, 1),
                                 ("--batch-size", self.batch_size, 1), ("--seed", self.seed, 0),
-                                ("--context-level", self.context_level, 0), ("--candidates", self.candidates, 1)):
+                                ("--context-level", self.context_level, 0), ("--candidates", self.candidates, 1),
+                                ("--anchor-floor", self.anchor_floor, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
                 raise SamplingError(f"{flag} must be an integer >= {lo}, got {value!r}")
         if self.eta is not None:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from arvdm.config import FROZEN_DRAFT as FROZEN
-from arvdm.config import SCHEDULE_PRESETS, Config, SamplingError, parse_device
+from arvdm.config import SCHEDULE_PRESETS, Config, SamplingError, check_anchor_floor, parse_device
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
 from arvdm.evaluation.holdup import hold_up
@@ -89,6 +89,7 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         settings = dataclasses.replace(settings, context_level=cfg.diffusion.context_level)
     if settings.context_level is not None:
         check_context_level(settings.context_level, cfg.diffusion.num_levels, "--context-level")
+    check_anchor_floor(settings.anchor_floor, cfg.diffusion.num_levels, "--anchor-floor", SamplingError)
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps,
                             context_level=settings.context_level)
     model.check_schedule(schedule.delta, schedule.window)
@@ -159,7 +160,8 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
                       poses=p if cfg.memory.select == "pose" else None,
                       memory_select=settings.memory_select,
                       history_guidance=settings.history_guidance,
-                      candidates=settings.candidates, anchor_sigma=settings.anchor_sigma)  # (b, n_gen, C, H, W)
+                      candidates=settings.candidates, anchor_sigma=settings.anchor_sigma,
+                      anchor_floor=settings.anchor_floor)  # (b, n_gen, C, H, W)
         if spec is not None:
             specs.append(spec)
             reports.append(speculation_report(spec, time.perf_counter() - t0, gen.shape[0] * n_gen,

@@ -59,6 +59,11 @@ def test_one_call_moves_x0_by_the_blurred_pull_and_leaves_level_k_alone():
     assert torch.equal(got[:, 2], v2[:, 2])
     torch.testing.assert_close(anchor.anchor[:, 2], x0[:, 2])
     assert (got[:, :2] - v2[:, :2]).abs().max() > 1e-2  # the pull did move v
+    floored = LowFrequencyAnchor(d, 1.5, floor=50)  # calls from level <= 50 are not pulled
+    floored.apply(x, v1, top)
+    got = floored.apply(x, v2, levels)
+    assert torch.equal(got[:, 0], v2[:, 0]) and torch.equal(got[:, 2], v2[:, 2])
+    torch.testing.assert_close(d.pred_x0(x, got, levels)[:, 1], want[:, 1], atol=1e-5, rtol=0)
 
 
 def test_the_anchor_moves_with_the_window_and_with_the_chosen_candidates():
@@ -83,8 +88,8 @@ class ReferenceAnchorRows(PlainRows):
     """An independent reference for the chunked schedule: every window starts at level K at its first row, so one
     anchor per run_rows call, taken at that row, is what LowFrequencyAnchor keeps per position."""
 
-    def __init__(self, sigma):
-        self.sigma = sigma
+    def __init__(self, sigma, floor=0):
+        self.sigma, self.floor = sigma, floor
 
     def run_rows(self, x, rows, win_actions, stage, ar_step, frame_offset):
         r, d = self.rollout, self.rollout.diffusion
@@ -96,7 +101,7 @@ class ReferenceAnchorRows(PlainRows):
             x0 = d.pred_x0(x, v, rows_b[m])
             if m == 0:
                 a = x0
-            else:  # v for x̂0 + G(a − x̂0) at the same x_t
+            elif int(rows[m][0]) > self.floor:  # v for x̂0 + G(a − x̂0) at the same x_t
                 std = (1 - d.alpha_bar(rows_b[m])).sqrt().float()[..., None, None, None]
                 v = v - gaussian_lowpass(a - x0, self.sigma) / std
             x = d.step(x, v, rows_b[m], rows_b[m + 1], r.eta, noise=r.noise(x.shape) if r.eta > 0 else None)
@@ -105,12 +110,18 @@ class ReferenceAnchorRows(PlainRows):
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "recomputed"])
 def test_rollout_equals_the_per_window_reference_on_the_chunked_schedule(use_cache):
-    model, sched = make(), chunked(2, K, 3).with_context_level(10)
+    model, sched = make(), chunked(2, K, 3).with_context_level(10)  # rows at levels 100, 67, 33, 0
     plain = go(model, sched, 6, episode_generators(1, range(B)), use_cache=use_cache)
     ref = go(model, sched, 6, episode_generators(1, range(B)), use_cache=use_cache, rows=ReferenceAnchorRows(1.0))
     got = go(model, sched, 6, episode_generators(1, range(B)), use_cache=use_cache, anchor_sigma=1.0)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert (got - plain).abs().max() > 1e-2  # the anchor changed the frames
+    ref40 = go(model, sched, 6, episode_generators(1, range(B)), use_cache=use_cache,
+               rows=ReferenceAnchorRows(1.0, floor=40))
+    got40 = go(model, sched, 6, episode_generators(1, range(B)), use_cache=use_cache, anchor_sigma=1.0,
+               anchor_floor=40)  # the call from level 33 is not pulled
+    torch.testing.assert_close(got40, ref40, atol=1e-5, rtol=0)
+    assert (got40 - got).abs().max() > 1e-2 and (got40 - plain).abs().max() > 1e-2
     # low frequencies closer to the level-K predictions means less spread between seeds, not more
     other = go(model, sched, 6, episode_generators(2, range(B)), use_cache=use_cache, anchor_sigma=1.0)
     plain_other = go(model, sched, 6, episode_generators(2, range(B)), use_cache=use_cache)
@@ -146,6 +157,11 @@ def test_bad_anchor_sigma_is_refused_naming_the_flag(tmp_path, capsys):
     spec = make_speculation("fixed:2", (1, 2), seed=0)
     with pytest.raises(SamplingError, match="plain row runner"):
         go(model, sched, 2, None, anchor_sigma=1.0, rows=SpeculativeRows(spec))
+    for bad in (-1, K, 2.5, True):
+        with pytest.raises(SamplingError, match="rollout anchor_floor must be an integer noise level in 0..K-1"):
+            go(model, sched, 2, None, anchor_sigma=1.0, anchor_floor=bad)
+    with pytest.raises(SamplingError, match="--anchor-floor must be an integer >= 0"):
+        SampleSettings(anchor_floor=-1).validate()
     with pytest.raises(SamplingError, match="--anchor-sigma 1.0 cannot go with --speculate"):
         SampleSettings(anchor_sigma=1.0, speculate="ucb").validate()
     SampleSettings(anchor_sigma=0.0, speculate="ucb").validate()  # off: nothing to refuse

@@ -193,7 +193,7 @@ def test_candidates_reach_the_rollout_and_are_recorded(run, tmp_path):
     assert json.loads((tmp_path / "three" / "eval.json").read_text())["settings"]["candidates"] == 3
 
 
-def test_anchor_sigma_reaches_the_rollout_and_is_recorded(run, tmp_path):
+def test_anchor_sigma_reaches_the_rollout_and_is_recorded(run, tmp_path, capsys):
     """--anchor-sigma 1 holds the frames' low frequencies to their level-K predictions (the rule is tested in
     test_anchor.py): other frames than the plain sampler's from the same --seed; the setting lands in eval.json."""
     run_dir, _ = run
@@ -204,3 +204,5 @@ def test_anchor_sigma_reaches_the_rollout_and_is_recorded(run, tmp_path):
                        for d in ("plain", "anchored"))
     assert np.abs(plain - anchored).mean() > 1
     assert json.loads((tmp_path / "anchored" / "eval.json").read_text())["settings"]["anchor_sigma"] == 1.0
+    assert sample.main([*flags, "--anchor-sigma", "1", "--anchor-floor", "100000", "--out", str(tmp_path / "x")]) == 2
+    assert "--anchor-floor must be an integer noise level in 0..K-1" in capsys.readouterr().err

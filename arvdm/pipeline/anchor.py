@@ -1,7 +1,8 @@
 """The low-frequency anchor: a sampler lever against error accumulation on views the model must invent (issue 21).
 
     from arvdm.pipeline.anchor import LowFrequencyAnchor, gaussian_lowpass
-    frames = rollout(..., anchor_sigma=1.0)          # sample.py --anchor-sigma 1
+    frames = rollout(..., anchor_sigma=1.0)                        # sample.py --anchor-sigma 1
+    frames = rollout(..., anchor_sigma=1.0, anchor_floor=300)      # ... --anchor-floor 300: pull above level 300 only
 
 At the top level K a frame's clean-frame prediction x̂0 = E[x0 | past] is the model's conditional mean: blurred
 where the future is uncertain, but the best guess under squared error. A sample drawn from there commits to one
@@ -13,11 +14,12 @@ that started at level K,
     x̂0' = x̂0 + G_σ * (a − x̂0),   a = x̂0 at level K,   G_σ a Gaussian blur of σ pixels,
 
 and the call's v is replaced by the one that predicts x̂0' from the same x_t. With x_t = √ᾱ x0 + √(1−ᾱ) ε and
-x̂0 = √ᾱ x_t − √(1−ᾱ) v (Salimans & Ho 2022, App. D) that is v' = v − (x̂0' − x̂0) / √(1−ᾱ). The frame ends
-at level 0 with x0 = x̂0' of its last call: the anchor's low frequencies, the sample's high ones. No model call
-is added. σ = 0 is the plain sampler, exactly. This is a hedge, not a sample of the model's distribution: the
-layout of an invented view is the conditional mean's (measured in benchmarks/RESULTS.md, "the low-frequency
-anchor").
+x̂0 = √ᾱ x_t − √(1−ᾱ) v (Salimans & Ho 2022, App. D) that is v' = v − (x̂0' − x̂0) / √(1−ᾱ). With ``floor`` 0
+the frame ends at level 0 with x0 = x̂0' of its last call: the anchor's low frequencies, the sample's high ones.
+With a ``floor`` L > 0 only the calls that start above level L pull; below it the sampler draws the frame's last
+details freely (sharper frames, first frames unharmed; benchmarks/RESULTS.md). No model call is added; σ = 0 is
+the plain sampler, exactly. This is a hedge, not a sample of the model's distribution: the layout of an invented
+view is the conditional mean's (benchmarks/RESULTS.md, "the low-frequency anchor").
 
 A frame that never sat at level K (a schedule file whose windows start lower) is not anchored. The anchor is kept
 per window position and moves with the window (:meth:`LowFrequencyAnchor.shift`), so FIFO and pyramid schedules,
@@ -51,14 +53,16 @@ def gaussian_lowpass(x: torch.Tensor, sigma: float) -> torch.Tensor:
 
 
 class LowFrequencyAnchor:
-    """Per window position, the level-K prediction a frame's low frequencies are held to (module docstring).
+    """Per window position, the level-K prediction a frame's low frequencies are held to (module docstring), by
+    every denoising call that starts above level ``floor``.
 
     ``apply`` is called once per denoising call with the window, the call's v and levels; ``shift`` when Δ frames
     leave the window; ``select`` when the rollout keeps some samples' windows (candidates per AR step)."""
 
-    def __init__(self, diffusion: PerFrameDiffusion, sigma: float):
+    def __init__(self, diffusion: PerFrameDiffusion, sigma: float, floor: int = 0):
         self.diffusion = diffusion
         self.sigma = float(sigma)
+        self.floor = int(floor)  # calls from a level <= floor are not pulled (0: every call below K is)
         self.anchor: torch.Tensor | None = None  # (B, w, C, H, W) each position's level-K x̂0
         self.held: torch.Tensor | None = None  # (B, w) bool: the position's frame has an anchor
 
@@ -73,7 +77,7 @@ class LowFrequencyAnchor:
         else:
             self.anchor = torch.where(top[..., None, None, None], x0.detach(), self.anchor)
             self.held = self.held | top
-        pull = self.held & ~top  # (B, w): at level K the anchor is x̂0 itself, nothing to move
+        pull = self.held & ~top & (levels > self.floor)  # (B, w): at level K the anchor is x̂0 itself
         if not bool(pull.any()):
             return v
         shift = gaussian_lowpass(self.anchor - x0, self.sigma) * pull[..., None, None, None]  # x̂0' − x̂0

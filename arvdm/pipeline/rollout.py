@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from arvdm.config import SamplingError, check_anchor_sigma, check_eta, check_guidance
+from arvdm.config import SamplingError, check_anchor_floor, check_anchor_sigma, check_eta, check_guidance
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.anchor import LowFrequencyAnchor
 from arvdm.pipeline.rollout_model import RolloutModel
@@ -65,7 +65,8 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             generator: Generators = None, use_cache: bool = True, progress: bool = True,
             return_intermediate: bool = False, rows: RowRunner | None = None, poses: torch.Tensor | None = None,
             memory_select: str | None = None, context_level: int | None = None, history_guidance: float = 0.0,
-            candidates: int = 1, anchor_sigma: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+            candidates: int = 1, anchor_sigma: float = 0.0,
+            anchor_floor: int = 0) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """Generate ``n_frames`` frames after ``context`` with a Meta-ARVDM schedule.
 
     Args:
@@ -112,6 +113,7 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
         anchor_sigma: σ >= 0 pixels (plain rows): every frame's x̂0 keeps the low frequencies (Gaussian blur of σ)
             of its prediction at level K, the model's conditional mean (:mod:`arvdm.pipeline.anchor`); no model
             call is added. 0 = exactly the plain sampler.
+        anchor_floor: L in 0..K-1: the anchor pulls only in calls that start above level L (0 = every call).
 
     Returns:
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.
@@ -120,7 +122,7 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     if n_cand == 1:
         return _rollout(model, diffusion, schedule, context, context_actions, actions, n_frames, eta, generator,
                         use_cache, progress, return_intermediate, rows, poses, memory_select, context_level,
-                        history_guidance, anchor_sigma, n_candidates=1)
+                        history_guidance, anchor_sigma, anchor_floor, n_candidates=1)
     b = _check_inputs(context, context_actions, actions, n_frames)[0]
     # N candidates of every sample side by side: sample i's are rows i*N .. i*N + N-1
     context, context_actions, actions = (t.repeat_interleave(n_cand, dim=0)
@@ -128,7 +130,7 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     poses = None if poses is None else poses.repeat_interleave(n_cand, dim=0)
     video = _rollout(model, diffusion, schedule, context, context_actions, actions, n_frames, eta,
                      candidate_generators(generator, n_cand, b), use_cache, progress, False, None, poses,
-                     memory_select, context_level, history_guidance, anchor_sigma,
+                     memory_select, context_level, history_guidance, anchor_sigma, anchor_floor,
                      n_candidates=n_cand)  # (B*N, n_frames, ...)
     return video[::n_cand]  # the N are identical after every choice: (B, n_frames, ch, H, W)
 
@@ -137,7 +139,7 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
              context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, eta: float | None,
              generator: Generators, use_cache: bool, progress: bool, return_intermediate: bool,
              rows: RowRunner | None, poses: torch.Tensor | None, memory_select: str | None, context_level: int | None,
-             history_guidance: float, anchor_sigma: float,
+             history_guidance: float, anchor_sigma: float, anchor_floor: int,
              n_candidates: int) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """:func:`rollout` on a batch that holds ``n_candidates`` consecutive candidates of every sample."""
     b, n_ctx = _check_inputs(context, context_actions, actions, n_frames)
@@ -147,6 +149,7 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
         context_level, schedule.num_levels, "rollout context_level")
     guidance = check_guidance(history_guidance, "rollout history_guidance", SamplingError)
     sigma = check_anchor_sigma(anchor_sigma, "rollout anchor_sigma", SamplingError)
+    floor = check_anchor_floor(anchor_floor, schedule.num_levels, "rollout anchor_floor", SamplingError)
     runner = PlainRows() if rows is None else rows
     if (k_ctx or guidance or sigma) and not isinstance(runner, PlainRows):
         raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} / anchor_sigma={sigma} need the "
@@ -157,7 +160,7 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
     ctx = RolloutContext(model, diffusion, eta, generator, b, context.device, context.dtype,
                          record=[] if return_intermediate else None, context_level=k_ctx,
                          history_guidance=guidance, candidates=n_candidates,
-                         anchor=LowFrequencyAnchor(diffusion, sigma) if sigma > 0 else None)
+                         anchor=LowFrequencyAnchor(diffusion, sigma, floor) if sigma > 0 else None)
     select = {} if memory_select is None else {"memory_select": memory_select}
     if use_cache:  # the model's own state (KV caches + bank)
         ctx.state = model.init_state(b, **select)
