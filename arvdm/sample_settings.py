@@ -74,6 +74,9 @@ class SampleSettings:
         if check_anchor_sigma(self.anchor_sigma, "--anchor-sigma", SamplingError) > 0 and self.speculate:
             raise SamplingError(f"--anchor-sigma {self.anchor_sigma} cannot go with --speculate (the anchor moves each "
                                 "call's v; speculative rows verify drafted rows in one call)")
+        if self.anchor_floor > 0 and self.anchor_sigma == 0:
+            raise SamplingError(f"--anchor-floor {self.anchor_floor} needs --anchor-sigma > 0 (it is the level the "
+                                "anchor's pull stops at; without an anchor there is nothing to stop)")
         if self.candidates > 1 and (self.speculate or self.memory_select == "other"):
             raise SamplingError(f"--candidates {self.candidates} cannot go with --speculate or --memory-select other "
                                 "(speculative rows keep per-sample state; 'other' reads the neighbouring sample)")

@@ -162,6 +162,10 @@ def test_bad_anchor_sigma_is_refused_naming_the_flag(tmp_path, capsys):
             go(model, sched, 2, None, anchor_sigma=1.0, anchor_floor=bad)
     with pytest.raises(SamplingError, match="--anchor-floor must be an integer >= 0"):
         SampleSettings(anchor_floor=-1).validate()
+    with pytest.raises(SamplingError, match="anchor_floor=30 needs anchor_sigma > 0"):
+        go(model, sched, 2, None, anchor_floor=30)
+    with pytest.raises(SamplingError, match="--anchor-floor 300 needs --anchor-sigma > 0"):
+        SampleSettings(anchor_floor=300).validate()
     with pytest.raises(SamplingError, match="--anchor-sigma 1.0 cannot go with --speculate"):
         SampleSettings(anchor_sigma=1.0, speculate="ucb").validate()
     SampleSettings(anchor_sigma=0.0, speculate="ucb").validate()  # off: nothing to refuse

@@ -241,6 +241,9 @@ def test_labels_from_config_keys_and_seeds_pooled():
     # unknown keys read like the cell names; cells that would read alike are numbered
     other = cell_labels([{"name": "x", "values": {"train.lr": 0.001}}, {"name": "y", "values": {"train.lr": 0.003}}])
     assert (other["x"].label, other["y"].label) == ("lr0.001", "lr0.003")
+    anchored = cell_labels([{"name": "p", "values": {"sample.anchor_sigma": 0.0, "sample.anchor_floor": 0}},
+                            {"name": "q", "values": {"sample.anchor_sigma": 1.0, "sample.anchor_floor": 300}}])
+    assert (anchored["p"].label, anchored["q"].label) == ("base", "anchor1 floor300")
     twins = cell_labels([{"name": "x", "values": {"train.memory_dropout": 0.0}},
                          {"name": "y", "values": {"train.memory_dropout": None}}])
     assert (twins["x"].label, twins["y"].label) == ("base", "base #2")

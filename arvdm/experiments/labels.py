@@ -40,7 +40,7 @@ MEMORY_PART_KEYS = ("memory.select", "sample.memory_select", "memory.pose_frames
                     "memory.structure", "memory.budget", "memory.compressor")
 #: Switch-like keys: shown only when on (value not 0 / None / False), as prefix + value.
 LEVERS = {"train.context_noise_max": "+noise", "sample.context_level": "ctx", "train.memory_dropout": "+drop",
-          "sample.history_guidance": "hg"}
+          "sample.history_guidance": "hg", "sample.anchor_sigma": "anchor", "sample.anchor_floor": "floor"}
 #: Switches `tiny` has on: shown only when a cell turns them off, as this text.
 OFF_SWITCHES = {"model.last_frame_input": "-lastframe", "model.action_advection": "-advect", "model.copy_gate": "-gate",
                 "train.copy_gate_loss": "", "train.copy_gate_detach": ""}

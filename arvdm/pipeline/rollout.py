@@ -150,6 +150,9 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
     guidance = check_guidance(history_guidance, "rollout history_guidance", SamplingError)
     sigma = check_anchor_sigma(anchor_sigma, "rollout anchor_sigma", SamplingError)
     floor = check_anchor_floor(anchor_floor, schedule.num_levels, "rollout anchor_floor", SamplingError)
+    if floor and not sigma:
+        raise SamplingError(f"rollout anchor_floor={floor} needs anchor_sigma > 0 (the level the anchor's pull stops "
+                            "at)")
     runner = PlainRows() if rows is None else rows
     if (k_ctx or guidance or sigma) and not isinstance(runner, PlainRows):
         raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} / anchor_sigma={sigma} need the "
