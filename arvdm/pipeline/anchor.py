@@ -78,11 +78,10 @@ class LowFrequencyAnchor:
             self.anchor = torch.where(top[..., None, None, None], x0.detach(), self.anchor)
             self.held = self.held | top
         pull = self.held & ~top & (levels > self.floor)  # (B, w): at level K the anchor is x̂0 itself
-        if not bool(pull.any()):
-            return v
-        shift = gaussian_lowpass(self.anchor - x0, self.sigma) * pull[..., None, None, None]  # x̂0' − x̂0
+        # computed for every frame and masked: no host read of `pull` (a device sync per call on a GPU)
+        moved = gaussian_lowpass(self.anchor - x0, self.sigma) * pull[..., None, None, None]  # x̂0' − x̂0
         noise_std = (1 - d.alpha_bar(levels)).sqrt().to(v.dtype)[..., None, None, None]  # √(1−ᾱ), > 0 below K
-        return v - shift / noise_std.clamp(min=1e-6)
+        return v - moved / noise_std.clamp(min=1e-6)
 
     def shift(self, delta: int) -> None:
         """Δ frames left the window: positions move up by Δ, the Δ entering ones have no anchor yet."""
