@@ -77,6 +77,11 @@ def test_modes_share_their_noise_so_memory_alone_separates_them(runs):
         assert (d["mean"], d["lo"], d["hi"]) == (0.0, 0.0, 0.0)
     again = rt.look_around_test(runs["blind"], str(runs["data"]), episodes=2, steps=2, n_boot=200, seed=1)
     assert again["per_episode"]["pose"] != blind["per_episode"]["pose"]  # another seed, other noise
+    anchored = rt.look_around_test(runs["seeing"], str(runs["data"]), episodes=2, steps=2, n_boot=200,
+                                   anchor_sigma=1.0)  # the anchor reaches every mode's rollout
+    assert anchored["anchor_sigma"] == 1.0 and seeing["anchor_sigma"] == 0.0
+    for k in ("pose", "time", "other", "none"):
+        assert anchored["per_episode"][k] != seeing["per_episode"][k]
 
 
 def test_cli_writes_the_json_and_refuses_bad_input(runs, tmp_path, capsys):
