@@ -48,12 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=int, default=1, metavar="N",
                    help="N candidates per episode; each AR step keeps the one closest to the others (minimum Bayes "
                         "risk under squared error) and goes on from it: less of a sample's spread, N times the compute")
-    p.add_argument("--anchor-sigma", type=float, default=0.0, metavar="S",
+    p.add_argument("--anchor-sigma", type=float, default=None, metavar="S",
                    help="hold every frame's low frequencies (Gaussian blur of S pixels) at its first prediction, the "
-                        "model's conditional mean; the sampler draws the rest (docs/sampling.md); 0 = off")
-    p.add_argument("--anchor-floor", type=int, default=0, metavar="L",
-                   help="with --anchor-sigma: pull only in the denoising calls that start above noise level L (the "
-                        "last details drawn freely, sharper frames); 0 = every call")
+                        "model's conditional mean; the sampler draws the rest (docs/sampling.md); 0 = off (default: "
+                        "the run's diffusion.anchor_sigma, 1 for tiny; 0 with --speculate)")
+    p.add_argument("--anchor-floor", type=int, default=None, metavar="L",
+                   help="with an anchor: pull only in the denoising calls that start above noise level L (the last "
+                        "details drawn freely, sharper frames); 0 = every call (default: the run's "
+                        "diffusion.anchor_floor, 100 for tiny)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (episode e draws from its own generator, "
                    "seeded by (seed, e))")
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")

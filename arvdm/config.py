@@ -91,9 +91,29 @@ class DiffusionConfig:
     # k_ctx when sampling (sample.py --context-level): the level finished frames sit at in memory (Diffusion Forcing /
     # GameNGen, for train.context_noise_max > 0); 0 = clean, the schedules as written. Schedule files keep their own.
     context_level: int = 0
+    # the low-frequency anchor when sampling (sample.py --anchor-sigma / --anchor-floor, arvdm.pipeline.anchor):
+    # blur σ in pixels (0 = off) and the level its pull stops at
+    anchor_sigma: float = 0.0
+    anchor_floor: int = 0
+
+    def anchor(self, sigma: float | None = None, floor: int | None = None, flags: tuple[str, str] = (
+            "anchor_sigma", "anchor_floor"), error: type[ArvdmError] = SamplingError) -> tuple[float, int]:
+        """The anchor's (σ, floor) to sample with, checked: None = this config's σ, and its floor when σ > 0
+        (else 0); errors name ``flags``."""
+        sigma = check_anchor_sigma(self.anchor_sigma if sigma is None else sigma, flags[0], error)
+        floor = check_anchor_floor((self.anchor_floor if sigma else 0) if floor is None else floor,
+                                   self.num_levels, flags[1], error)
+        if floor and not sigma:
+            raise error(f"{flags[1]} {floor} needs an anchor, but {flags[0]} is 0 (diffusion.anchor_sigma "
+                        f"{self.anchor_sigma}); give {flags[0]} > 0")
+        return sigma, floor
 
     def validate(self) -> None:
         _check(self.num_levels >= 2, "diffusion.num_levels", self.num_levels, "must be >= 2")
+        check_anchor_sigma(self.anchor_sigma, "diffusion.anchor_sigma")
+        check_anchor_floor(self.anchor_floor, self.num_levels, "diffusion.anchor_floor")
+        _check(self.anchor_floor == 0 or self.anchor_sigma > 0, "diffusion.anchor_floor", self.anchor_floor,
+               "needs diffusion.anchor_sigma > 0 (the level the anchor's pull stops at)")
         _check(type(self.context_level) is int and 0 <= self.context_level < self.num_levels, "diffusion.context_level",
                self.context_level, f"must be an integer in 0..{self.num_levels - 1} (a noise level below pure noise)")
         _check(self.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"),

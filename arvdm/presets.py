@@ -47,12 +47,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         # of copying and the network (the v-MSE detached from it): first 4 generated frames of fresh random-action
         # episodes +2.1 to +2.3 dB over the main job before it, above copy-last in the mean (benchmarks/RESULTS.md)
         "model.copy_gate": "observed", "train.copy_gate_loss": 0.02, "train.copy_gate_detach": True,
+        # sampling holds each frame's low frequencies (1 px Gaussian) to its level-K prediction in the calls above
+        # level 100 (arvdm.pipeline.anchor): paired on fresh 32-episode sets, every span gains, frames 17-64 +0.63 /
+        # +0.14 dB (random-action / mixed), first 4 +0.17 / +0.27, no extra model call (benchmarks/RESULTS.md)
+        "diffusion.anchor_sigma": 1.0, "diffusion.anchor_floor": 100,
     },
     # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
     # the baseline a pose-aware run is compared with, and the preset tests of time-based machinery build on.
     # Without the levers and with the old step count: exactly the time-based main job the earlier measurements used.
     "tiny_time": {"memory.length": 4, "memory.select": "time", "memory.pose_frames": 0,
                   "train.context_noise_max": 0, "diffusion.context_level": 0, "train.memory_dropout": 0.0,
+                  "diffusion.anchor_sigma": 0.0, "diffusion.anchor_floor": 0,
                   "model.last_frame_input": False, "model.action_advection": 0, "model.copy_gate": "off",
                   "train.copy_gate_loss": 0.0, "train.copy_gate_detach": False, "train.cpu_ranks": 1,
                   "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500},

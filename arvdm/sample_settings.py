@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from arvdm.config import (
     FROZEN_DRAFT,
     SCHEDULE_PRESETS,
+    Config,
     SamplingError,
     check_anchor_sigma,
     check_eta,
@@ -49,8 +51,10 @@ class SampleSettings:
     context_level: int | None = None  # k_ctx of finished frames in memory; None = the run's / a schedule file's
     history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
     candidates: int = 1  # N: per AR step keep the medoid of N candidates (minimum Bayes risk); N times the compute
-    anchor_sigma: float = 0.0  # σ px: frames' low frequencies held to their level-K x̂0 (arvdm.pipeline.anchor); 0 = off
-    anchor_floor: int = 0  # the anchor pulls in calls that start above this level only; 0 = every call
+    anchor_sigma: float | None = None  # σ px: low frequencies held to the level-K x̂0 (arvdm.pipeline.anchor); 0 = off;
+    #   None = the run's diffusion.anchor_sigma (0 with --speculate)
+    anchor_floor: int | None = None  # the anchor pulls in calls that start above this level only; 0 = every call;
+    #   None = the run's diffusion.anchor_floor (0 when there is no anchor)
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
     draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
     lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
@@ -71,10 +75,11 @@ class SampleSettings:
         if self.memory_select not in (None, *SELECTIONS):
             raise SamplingError(f"--memory-select {self.memory_select!r}: choose one of {', '.join(SELECTIONS)}")
         check_guidance(self.history_guidance, "--history-guidance", SamplingError)
-        if check_anchor_sigma(self.anchor_sigma, "--anchor-sigma", SamplingError) > 0 and self.speculate:
+        if self.anchor_sigma is not None and check_anchor_sigma(self.anchor_sigma, "--anchor-sigma",
+                                                                SamplingError) > 0 and self.speculate:
             raise SamplingError(f"--anchor-sigma {self.anchor_sigma} cannot go with --speculate (the anchor moves each "
                                 "call's v; speculative rows verify drafted rows in one call)")
-        if self.anchor_floor > 0 and self.anchor_sigma == 0:
+        if self.anchor_floor and self.anchor_sigma == 0:
             raise SamplingError(f"--anchor-floor {self.anchor_floor} needs --anchor-sigma > 0 (it is the level the "
                                 "anchor's pull stops at; without an anchor there is nothing to stop)")
         if self.candidates > 1 and (self.speculate or self.memory_select == "other"):
@@ -87,3 +92,17 @@ class SampleSettings:
             raise SamplingError(f"--data {self.data}: folder does not exist")
         parse_device(self.device)
         return self
+
+    def with_run_defaults(self, cfg: Config) -> SampleSettings:
+        """These settings with every "None = the run's" field filled from the run's config (``cfg.diffusion``), as
+        they are used and recorded: eta; k_ctx for a preset schedule (speculative rows keep the schedule's 0, a
+        schedule file its own); the anchor's σ (0 with --speculate, which does not support it) and floor."""
+        d = cfg.diffusion
+        eta = d.eta if self.eta is None else self.eta
+        level = self.context_level
+        if level is None and str(self.schedule) in SCHEDULE_PRESETS and not self.speculate:
+            level = d.context_level
+        sigma, floor = d.anchor(0.0 if self.speculate and self.anchor_sigma is None else self.anchor_sigma,
+                                self.anchor_floor, ("--anchor-sigma", "--anchor-floor"))
+        return dataclasses.replace(self, eta=eta, context_level=level, anchor_sigma=sigma,
+                                   anchor_floor=floor).validate()

@@ -24,7 +24,6 @@ out ``frames`` more with the episode's own actions under a Meta-ARVDM schedule, 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 
 from arvdm.config import FROZEN_DRAFT as FROZEN
-from arvdm.config import SCHEDULE_PRESETS, Config, SamplingError, check_anchor_floor, parse_device
+from arvdm.config import Config, SamplingError, parse_device
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
 from arvdm.evaluation.holdup import hold_up
@@ -77,19 +76,14 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
         raise SamplingError(f"--out {out}: exists and is not a folder")
     device = parse_device(settings.device)
     model, cfg = load_for_inference(run_dir, use_ema=settings.use_ema, device=device)
-    if settings.eta is None:  # the run's own sampling eta (diffusion.eta), recorded as used
-        settings = dataclasses.replace(settings, eta=cfg.diffusion.eta)
+    settings = settings.with_run_defaults(cfg)  # the run's eta, k_ctx and anchor where a flag says "the run's"
     model, _ = wrap_for_sampling(model, cfg, run_dir, settings.hybrid)  # lazy layers stream when asked
     hybrid = model if isinstance(model, HybridModel) else None  # before compiling wraps it
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     if settings.compile:
         model = compile_for_sampling(model)
-    if settings.context_level is None and str(settings.schedule) in SCHEDULE_PRESETS and not settings.speculate:
-        # the run's own k_ctx, recorded as used (speculative rows support k_ctx = 0 only: they keep the schedule's)
-        settings = dataclasses.replace(settings, context_level=cfg.diffusion.context_level)
     if settings.context_level is not None:
         check_context_level(settings.context_level, cfg.diffusion.num_levels, "--context-level")
-    check_anchor_floor(settings.anchor_floor, cfg.diffusion.num_levels, "--anchor-floor", SamplingError)
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps,
                             context_level=settings.context_level)
     model.check_schedule(schedule.delta, schedule.window)

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/grid_cost.py` from the repo root
 
-from arvdm.config import SCHEDULE_PRESETS, parse_device  # noqa: E402
+from arvdm.config import parse_device  # noqa: E402
 from arvdm.errors import USER_ERRORS  # noqa: E402
 from arvdm.experiments.cells import GridError  # noqa: E402
 from arvdm.experiments.labels import cell_labels  # noqa: E402
@@ -93,19 +93,16 @@ def make_rollout(cell: dict[str, Any], out: Path, args: argparse.Namespace, mode
                         "found; pass --data DIR")
     real, actions, poses = load_validation_episodes(root, cfg, 1, args.context, args.frames,
                                                     split=sample.get("split") or "validation")
-    level = sample.get("context_level")
-    if level is None and str(sample.get("schedule", "chunked")) in SCHEDULE_PRESETS:
-        # as sample_run: a run that records its own k_ctx (diffusion.context_level) commits there
-        level = getattr(cfg.diffusion, "context_level", None)
-    schedule = get_schedule(sample.get("schedule", "chunked"), cfg.train.window, cfg.diffusion.num_levels,
-                            sample.get("steps", 20), context_level=level)
-    model.check_schedule(schedule.delta, schedule.window)
-    eta = sample.get("eta")
-    settings = SampleSettings(schedule=schedule.name, steps=sample.get("steps", 20), batch_size=1, episodes=1,
-                              eta=cfg.diffusion.eta if eta is None else eta, use_cache=sample.get("use_cache", True),
-                              context_level=level, progress=False,
+    # as sample_run: "None = the run's" settings (eta, k_ctx, the anchor) filled from the run's config
+    settings = SampleSettings(schedule=sample.get("schedule", "chunked"), steps=sample.get("steps", 20), batch_size=1,
+                              episodes=1, eta=sample.get("eta"), use_cache=sample.get("use_cache", True),
+                              context_level=sample.get("context_level"), progress=False,
                               history_guidance=sample.get("history_guidance") or 0.0,
-                              memory_select=sample.get("memory_select"))
+                              memory_select=sample.get("memory_select"), anchor_sigma=sample.get("anchor_sigma"),
+                              anchor_floor=sample.get("anchor_floor")).with_run_defaults(cfg)
+    schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps,
+                            context_level=settings.context_level)
+    model.check_schedule(schedule.delta, schedule.window)
     dev = parse_device(args.device)
 
     @torch.no_grad()

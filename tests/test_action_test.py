@@ -11,6 +11,7 @@ import torch
 from arvdm.config import SamplingError, apply_overrides, get_preset
 from arvdm.experiments import action_test as at
 from arvdm.model.denoiser import Denoiser
+from arvdm.pipeline.anchor import use_anchor
 
 
 def _psnr(offset: float) -> float:
@@ -77,6 +78,7 @@ def _model():
     cfg = apply_overrides(get_preset("tiny"), [
         "model.unet_channels=[8,16]", "model.dim=32", "model.depth=1", "model.image_size=16", "data.resize=16",
         "diffusion.num_levels=10", "diffusion.context_level=0", "train.context_noise_max=0",
+        "diffusion.anchor_sigma=0", "diffusion.anchor_floor=0",
         "memory.select=time", "memory.pose_frames=0", "memory.length=2", "train.window=2"])
     torch.manual_seed(0)
     model = Denoiser(cfg).eval()
@@ -119,6 +121,21 @@ def test_other_actions_change_the_rollout():
     assert not torch.equal(actions, actions.roll(1, 0))
     out = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False)
     assert not torch.allclose(out["own"], out["other"])
+
+
+def test_the_rollouts_take_the_anchor_set_on_the_runs_config():
+    """`use_anchor(cfg, ...)` (the CLI's --anchor-sigma / --anchor-floor) reaches all three rollouts: equal to the
+    plain ones with σ = 0, other frames with σ = 1."""
+    model, cfg = _model()
+    real, actions = _episodes()
+    plain = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False)
+    assert use_anchor(cfg, 1.0, 5) == {"anchor_sigma": 1.0, "anchor_floor": 5}
+    anchored = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False)
+    for kind in ("own", "noise", "other"):
+        assert (anchored[kind] - plain[kind]).abs().max() > 1e-3
+    use_anchor(cfg, 0.0, None)
+    again = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False)
+    assert all(torch.equal(again[k], plain[k]) for k in ("own", "noise", "other"))
 
 
 def test_the_swapped_rollout_exchanges_only_the_named_actions_after_the_context():

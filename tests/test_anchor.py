@@ -5,6 +5,7 @@ alone; the anchor follows the window (FIFO shift, candidate choice); a rollout e
 reference on the chunked schedule, where every window starts at K; refusals name the flag.
 """
 
+import dataclasses
 import sys
 
 import pytest
@@ -13,9 +14,9 @@ import torch.nn.functional as F
 from test_noisy_context import B, K, clip, make
 
 import sample
-from arvdm.config import SamplingError
+from arvdm.config import ConfigError, SamplingError
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.anchor import LowFrequencyAnchor, gaussian_lowpass
+from arvdm.pipeline.anchor import LowFrequencyAnchor, gaussian_lowpass, use_anchor
 from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.rows import PlainRows
 from arvdm.sample_settings import SampleSettings
@@ -162,12 +163,57 @@ def test_bad_anchor_sigma_is_refused_naming_the_flag(tmp_path, capsys):
             go(model, sched, 2, None, anchor_sigma=1.0, anchor_floor=bad)
     with pytest.raises(SamplingError, match="--anchor-floor must be an integer >= 0"):
         SampleSettings(anchor_floor=-1).validate()
-    with pytest.raises(SamplingError, match="anchor_floor=30 needs anchor_sigma > 0"):
-        go(model, sched, 2, None, anchor_floor=30)
+    with pytest.raises(SamplingError, match="rollout anchor_floor 30 needs an anchor, but rollout anchor_sigma is 0"):
+        go(model, sched, 2, None, anchor_floor=30)  # the model's run has no anchor (diffusion.anchor_sigma 0)
     with pytest.raises(SamplingError, match="--anchor-floor 300 needs --anchor-sigma > 0"):
-        SampleSettings(anchor_floor=300).validate()
+        SampleSettings(anchor_sigma=0.0, anchor_floor=300).validate()
+    with pytest.raises(SamplingError, match="--anchor-floor 30 needs an anchor, but --anchor-sigma is 0"):
+        SampleSettings(anchor_floor=30).with_run_defaults(model.cfg)  # None = the run's σ, 0 here
     with pytest.raises(SamplingError, match="--anchor-sigma 1.0 cannot go with --speculate"):
         SampleSettings(anchor_sigma=1.0, speculate="ucb").validate()
     SampleSettings(anchor_sigma=0.0, speculate="ucb").validate()  # off: nothing to refuse
     assert sample.main(["--run", str(tmp_path), "--anchor-sigma", "-1"]) == 2
     assert "--anchor-sigma must be a finite number of pixels >= 0" in capsys.readouterr().err
+
+
+def test_the_runs_anchor_is_the_default_as_eta_is():
+    """rollout(anchor_sigma=None) is the run's anchor (diffusion.cfg.anchor_sigma / anchor_floor, as eta):
+    exactly the explicit one; an explicit 0 is the plain sampler; speculative rows and --speculate fall back to
+    no anchor rather than refuse; SampleSettings fills and records the same values."""
+    model, sched = make(), chunked(4, K, 3)
+    cfg = model.cfg
+    cfg.diffusion.anchor_sigma, cfg.diffusion.anchor_floor = 1.0, 30
+    cfg.validate()
+    own = go(model, sched, 6, episode_generators(1, range(B)))
+    torch.testing.assert_close(own, go(model, sched, 6, episode_generators(1, range(B)), anchor_sigma=1.0,
+                                       anchor_floor=30), atol=0, rtol=0)
+    plain = go(model, sched, 6, episode_generators(1, range(B)), anchor_sigma=0.0)
+    assert (own - plain).abs().max() > 1e-2
+    spec = make_speculation("fixed:2", (1, 2), seed=0)
+    go(model, sched, 2, None, rows=SpeculativeRows(spec))  # the run's anchor does not apply: no refusal
+    s = SampleSettings().with_run_defaults(cfg)
+    assert (s.anchor_sigma, s.anchor_floor, s.eta, s.context_level) == (1.0, 30, cfg.diffusion.eta, 0)
+    assert (SampleSettings(anchor_sigma=2.0).with_run_defaults(cfg).anchor_floor,
+            SampleSettings(anchor_sigma=0.0).with_run_defaults(cfg).anchor_floor) == (30, 0)
+    spec_settings = SampleSettings(speculate="ucb").with_run_defaults(cfg)
+    assert (spec_settings.anchor_sigma, spec_settings.anchor_floor) == (0.0, 0)
+    bad = dataclasses.replace(cfg.diffusion, anchor_sigma=0.0, anchor_floor=30)
+    with pytest.raises(ConfigError, match="diffusion.anchor_floor=30 needs diffusion.anchor_sigma > 0"):
+        bad.validate()
+    for key, value in (("anchor_sigma", -1.0), ("anchor_sigma", float("nan")), ("anchor_floor", K)):
+        with pytest.raises(ConfigError, match=f"diffusion.{key} must be"):
+            dataclasses.replace(cfg.diffusion, **{key: value}).validate()
+
+
+def test_use_anchor_sets_the_runs_anchor_checked_and_named_by_the_flags():
+    """The experiments' --anchor-sigma / --anchor-floor: None keeps the run's, σ = 0 drops the floor with it, and a
+    bad value or a floor without an anchor is refused naming sample.py's flag."""
+    cfg = make().cfg
+    cfg.diffusion.anchor_sigma, cfg.diffusion.anchor_floor = 1.0, 30
+    assert use_anchor(cfg, None, None) == {"anchor_sigma": 1.0, "anchor_floor": 30}
+    assert use_anchor(cfg, 2.0, None) == {"anchor_sigma": 2.0, "anchor_floor": 30}
+    assert use_anchor(cfg, 0.0, None) == {"anchor_sigma": 0.0, "anchor_floor": 0}
+    assert (cfg.diffusion.anchor_sigma, cfg.diffusion.anchor_floor) == (0.0, 0)
+    for sigma, floor, flag in ((-1.0, None, "--anchor-sigma"), (1.0, K, "--anchor-floor"), (None, 5, "--anchor-floor")):
+        with pytest.raises(SamplingError, match=flag):
+            use_anchor(cfg, sigma, floor)

@@ -244,6 +244,9 @@ def test_labels_from_config_keys_and_seeds_pooled():
     anchored = cell_labels([{"name": "p", "values": {"sample.anchor_sigma": 0.0, "sample.anchor_floor": 0}},
                             {"name": "q", "values": {"sample.anchor_sigma": 1.0, "sample.anchor_floor": 300}}])
     assert (anchored["p"].label, anchored["q"].label) == ("base", "anchor1 floor300")
+    runs_anchor = cell_labels([{"name": "p", "values": {"diffusion.anchor_sigma": 0.0, "diffusion.anchor_floor": 0}},
+                               {"name": "q", "values": {"diffusion.anchor_sigma": 1.0, "diffusion.anchor_floor": 100}}])
+    assert (runs_anchor["p"].label, runs_anchor["q"].label) == ("-anchor", "base")  # tiny has it on
     twins = cell_labels([{"name": "x", "values": {"train.memory_dropout": 0.0}},
                          {"name": "y", "values": {"train.memory_dropout": None}}])
     assert (twins["x"].label, twins["y"].label) == ("base", "base #2")

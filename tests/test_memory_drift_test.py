@@ -91,7 +91,16 @@ def test_parse_free_and_the_cli(setup, tmp_path, capsys):
                      "--stride", "2"]) == 0
     res = json.loads((out / "memory_drift_test.json").read_text())
     assert res["free"] == [0, 2] and res["stride"] == 2 and (out / "memory_drift_test.png").stat().st_size > 1000
+    assert (res["anchor_sigma"], res["anchor_floor"]) == (0.0, 0)  # the run's own: none
     assert "pose - time" in capsys.readouterr().out
+    # the rollouts with sample.py's anchor flags: recorded, other frames; a floor without an anchor refused
+    assert mdt.main(["--run", str(run), "--data", str(root), "--out", str(tmp_path / "anch"), "--steps", "2",
+                     "--free", "0,2", "--stride", "2", "--anchor-sigma", "1", "--anchor-floor", "3"]) == 0
+    anch = json.loads((tmp_path / "anch" / "memory_drift_test.json").read_text())
+    assert (anch["anchor_sigma"], anch["anchor_floor"]) == (1.0, 3) and anch["per_probe"] != res["per_probe"]
+    capsys.readouterr()
+    assert mdt.main(["--run", str(run), "--data", str(root), "--steps", "2", "--anchor-floor", "3"]) == 2
+    assert "--anchor-floor 3 needs an anchor" in capsys.readouterr().err
     # a drift no remembered view survives: too few events, refused before any rollout
     assert mdt.main(["--run", str(run), "--data", str(root), "--out", str(out), "--steps", "2",
                      "--free", str(VIEWS * 10)]) == 2

@@ -115,6 +115,7 @@ def test_config_checks_pose_memory():
 def _model(**over):
     cfg = apply_overrides(get_preset("tiny"), ["model.unet_channels=[8,16]", "model.dim=32", "model.depth=1",
                                                f"diffusion.num_levels={K}", "diffusion.context_level=0",
+                                               "diffusion.anchor_sigma=0", "diffusion.anchor_floor=0",
                                                "train.context_noise_max=0", *[f"{k}={v}" for k, v in over.items()]])
     torch.manual_seed(0)
     model = Denoiser(cfg).eval()

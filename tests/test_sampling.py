@@ -165,6 +165,33 @@ def test_the_runs_own_context_level_is_the_default_and_recorded(run, tmp_path):
     assert json.loads((tmp_path / "default" / "eval.json").read_text())["settings"]["context_level"] == 7
 
 
+def test_the_runs_own_anchor_is_the_default_and_recorded(run, tmp_path, capsys):
+    """A run whose config says diffusion.anchor_sigma=1, anchor_floor=5 (as the tiny preset's 1 / 100) samples as
+    `--anchor-sigma 1 --anchor-floor 5` does, records both in eval.json, and `--anchor-sigma 0` turns it off."""
+    import shutil
+    run_dir, _ = run
+    own = tmp_path / "own"
+    shutil.copytree(run_dir, own)
+    for path in own.rglob("config.json"):
+        cfg = json.loads(path.read_text())
+        cfg["diffusion"].update(anchor_sigma=1.0, anchor_floor=5)
+        path.write_text(json.dumps(cfg))
+    flags = ["--frames", "8", "--context", "4", "--episodes", "2", "--steps", "3", "--eta", "1", "--eval"]
+
+    def fake(run_path, out, *extra):
+        assert sample.main(["--run", str(run_path), *flags, "--out", str(tmp_path / out), *extra]) == 0
+        return np.load(tmp_path / out / "rollout.npz")["fake"]
+
+    by_default = fake(own, "default")
+    np.testing.assert_array_equal(by_default, fake(run_dir, "explicit", "--anchor-sigma", "1", "--anchor-floor", "5"))
+    np.testing.assert_array_equal(fake(own, "off", "--anchor-sigma", "0"), fake(run_dir, "plain"))
+    assert np.abs(by_default[:, 4:].astype(np.int16) - fake(run_dir, "plain")[:, 4:]).mean() > 1
+    settings = json.loads((tmp_path / "default" / "eval.json").read_text())["settings"]
+    assert (settings["anchor_sigma"], settings["anchor_floor"]) == (1.0, 5)
+    assert sample.main(["--run", str(run_dir), *flags, "--anchor-floor", "5", "--out", str(tmp_path / "x")]) == 2
+    assert "--anchor-floor 5 needs an anchor, but --anchor-sigma is 0" in capsys.readouterr().err
+
+
 def test_an_episodes_rollout_does_not_depend_on_the_batch_size(run, tmp_path):
     """Each episode draws from its own generator (seeded by --seed and its index): --batch-size 1 and 2 give the
     same frames (uint8), and another --seed other ones."""

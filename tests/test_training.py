@@ -51,9 +51,10 @@ def write_episodes(root: Path, n_train=4, n_val=2, length=12, size=16, seed=0, p
 
 
 # memory chosen by pose (the `tiny` preset's kind): 1 frame chosen by pose + 2 recent (episodes need poses), with
-# the tiny preset's issue-21 levers scaled to num_levels=100 (noisy context, memory dropout)
+# the tiny preset's issue-21 levers scaled to num_levels=100 (noisy context, memory dropout, the sampler's anchor)
 POSE = ["memory.select=pose", "memory.length=3", "memory.pose_frames=1", "train.context_noise_max=50",
-        "diffusion.context_level=10", "train.memory_dropout=0.1"]
+        "diffusion.context_level=10", "train.memory_dropout=0.1", "diffusion.anchor_sigma=1",
+        "diffusion.anchor_floor=10"]
 
 
 ROLLOUT = ["train.rollout_frames=2", "train.rollout_steps=2"]

@@ -44,6 +44,7 @@ from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import paired_difference
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.anchor import add_anchor_flags, use_anchor
 from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.schedules.presets import get_schedule
@@ -144,10 +145,12 @@ def summarise(videos: dict[str, torch.Tensor], n_boot: int = 2000, seed: int = 0
 
 def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frames: int = 64, steps: int = 20,
                 seed: int = 0, split: str = "training", device: str = "cpu", progress: bool = True,
-                swap: str | None = None) -> dict[str, Any]:
+                swap: str | None = None, anchor_sigma: float | None = None,
+                anchor_floor: int | None = None) -> dict[str, Any]:
     """Load ``run`` and ``episodes`` episodes of ``data``, roll them out three ways (four with ``swap``, e.g.
-    "2:3,4:5"), summarise."""
+    "2:3,4:5"), summarise. ``anchor_sigma`` / ``anchor_floor``: the rollouts' anchor (None = the run's)."""
     model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
+    anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # the rollouts read it from cfg.diffusion
     pairs = parse_swap(swap, cfg.model.num_actions) if swap else None
     real, actions, poses = load_validation_episodes(data, cfg, episodes, context, frames, split=split)
     if cfg.memory.select == "pose" and poses is None:
@@ -155,7 +158,7 @@ def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frame
     videos = run_action_test(model, cfg, real.to(device), actions.to(device), context,
                              None if poses is None else poses.to(device), steps, seed, progress=progress, swap=pairs)
     return {"run": str(run), "data": str(data), "split": split, "context": context, "seed": seed, "swap": swap,
-            **summarise(videos, seed=seed)}
+            **anchor, **summarise(videos, seed=seed)}
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -190,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--swap", default=None, metavar="A:B,...",
                    help="direction check: a fourth rollout with these action pairs exchanged (Memory Maze: 2:3,4:5)")
     p.add_argument("--out", default=None)
+    add_anchor_flags(p)
     args = p.parse_args(argv)
     for flag in ("episodes", "frames", "steps"):
         if getattr(args, flag) < 1:
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         result = action_test(args.run, args.data, args.episodes, args.context, args.frames, args.steps, args.seed,
-                             args.split, args.device, swap=args.swap)
+                             args.split, args.device, swap=args.swap, anchor_sigma=args.anchor_sigma,
+                             anchor_floor=args.anchor_floor)
     except USER_ERRORS as err:
         print(f"action_test: error: {err}", file=sys.stderr)
         return 2

@@ -15,7 +15,8 @@ between the cells appear. Known keys read as:
   ``ctx<level>`` (sample.context_level), ``+drop<p>`` (train.memory_dropout), ``hg<W>``
   (sample.history_guidance);
 - switches the main job has on, only when off: ``-lastframe`` (model.last_frame_input false), ``-advect``
-  (model.action_advection 0), ``-gate`` (model.copy_gate off; its loss keys go with it and read as nothing);
+  (model.action_advection 0), ``-gate`` (model.copy_gate off; its loss keys go with it and read as nothing),
+  ``-anchor`` (diffusion.anchor_sigma 0, the run's sampling anchor; its floor reads as nothing);
 - ``train.seed`` last, as ``s<seed>``; the label without it is the cell's **configuration**, the unit over
   which ``pool_seeds`` averages;
 - any other varying key as ``<last part of the key><value>``, like the cell names.
@@ -43,7 +44,8 @@ LEVERS = {"train.context_noise_max": "+noise", "sample.context_level": "ctx", "t
           "sample.history_guidance": "hg", "sample.anchor_sigma": "anchor", "sample.anchor_floor": "floor"}
 #: Switches `tiny` has on: shown only when a cell turns them off, as this text.
 OFF_SWITCHES = {"model.last_frame_input": "-lastframe", "model.action_advection": "-advect", "model.copy_gate": "-gate",
-                "train.copy_gate_loss": "", "train.copy_gate_detach": ""}
+                "train.copy_gate_loss": "", "train.copy_gate_detach": "", "diffusion.anchor_sigma": "-anchor",
+                "diffusion.anchor_floor": ""}
 
 
 @dataclass(frozen=True)

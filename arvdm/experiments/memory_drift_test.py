@@ -43,6 +43,7 @@ from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import MIN_EVENTS, format_interval, memory_probes, paired_difference, pooled_rate
 from arvdm.experiments.memory_probe_test import keep_every, load_episodes, probe_seed
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.anchor import add_anchor_flags, use_anchor
 from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.sample_settings import SampleSettings
@@ -221,8 +222,10 @@ def plot_drift(result: dict[str, Any], path: str | Path) -> Path:
 
 def memory_drift_test(run: str, data: str, free: tuple[int, ...], episodes: int | None = None, stride: int = 1,
                       steps: int = SampleSettings.steps, seed: int = 0, device: str = "cpu", n_boot: int = 2000,
-                      progress: bool = True) -> dict[str, Any]:
-    """Load a pose-aware run and its episodes, then ``run_memory_drift_test`` (module docstring)."""
+                      progress: bool = True, anchor_sigma: float | None = None,
+                      anchor_floor: int | None = None) -> dict[str, Any]:
+    """Load a pose-aware run and its episodes, then ``run_memory_drift_test`` (module docstring); the rollouts'
+    anchor is ``anchor_sigma`` / ``anchor_floor`` (None = the run's)."""
     for flag, value in (("--stride", stride), ("--steps", steps), ("--episodes", episodes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise SamplingError(f"{flag} must be an integer >= 1, got {value!r}")
@@ -230,12 +233,13 @@ def memory_drift_test(run: str, data: str, free: tuple[int, ...], episodes: int 
     if cfg.memory.select != "pose":
         raise SamplingError(f"{run}: trained with memory.select={cfg.memory.select}; the memory drift test compares "
                             "memory choices of a pose-aware run (memory.select=pose)")
+    anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # before the diffusion: its rollouts read it there
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, steps,
                             context_level=cfg.diffusion.context_level)  # as sample.py rolls out
     eps = load_episodes(data, episodes, cfg.model.image_size)
     result = run_memory_drift_test(model, diffusion, schedule, eps, free, stride, seed, n_boot, progress)
-    return {"run": str(run), "data": str(data), **result}
+    return {"run": str(run), "data": str(data), **anchor, **result}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,10 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None, help="output folder (default RUN/memory_drift_test)")
+    add_anchor_flags(p)
     args = p.parse_args(argv)
     try:
         result = memory_drift_test(args.run, args.data, parse_free(args.free), args.episodes, args.stride,
-                                   args.steps, args.seed, args.device)
+                                   args.steps, args.seed, args.device, anchor_sigma=args.anchor_sigma,
+                                   anchor_floor=args.anchor_floor)
         out = Path(args.out or Path(args.run) / "memory_drift_test")
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "memory_drift_test.json", result)

@@ -32,6 +32,7 @@ from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import paired_difference, psnr_matrix
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.anchor import add_anchor_flags, use_anchor
 from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.schedules.presets import get_schedule
@@ -79,11 +80,13 @@ def _pair(a: dict, b: dict) -> tuple[torch.Tensor, ...]:
 
 
 def look_around_test(run: str, data: str, episodes: int = 24, steps: int = 20, seed: int = 0,
-                     device: str = "cpu", n_boot: int = 2000, anchor_sigma: float = 0.0,
-                     anchor_floor: int = 0) -> dict[str, Any]:
+                     device: str = "cpu", n_boot: int = 2000, anchor_sigma: float | None = None,
+                     anchor_floor: int | None = None) -> dict[str, Any]:
     """Roll out the second turn of look-around episodes under each memory mode; PSNR per episode and paired tests.
-    ``anchor_sigma`` / ``anchor_floor``: the rollouts' low-frequency anchor (``rollout``'s, arvdm.pipeline.anchor)."""
+    ``anchor_sigma`` / ``anchor_floor``: the rollouts' low-frequency anchor (``rollout``'s, arvdm.pipeline.anchor);
+    None = the run's (diffusion.anchor_sigma / anchor_floor), as sample.py."""
     model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
+    anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # the rollouts below read it from cfg.diffusion
     if cfg.memory.select != "pose":
         raise SamplingError(f"{run}: trained with memory.select={cfg.memory.select}; the revisit test compares memory "
                             f"choices of a pose-aware run (memory.select=pose)")
@@ -97,15 +100,14 @@ def look_around_test(run: str, data: str, episodes: int = 24, steps: int = 20, s
         real = video[:, c:c + n]  # (2, N, C, H, W): the second turn
         for mode in MODES:
             gen = rollout(model, diffusion, schedule, video[:, :c], actions[:, :c], actions[:, c:], n, poses=poses,
-                          memory_select=mode, generator=episode_generators(seed, (i, i + 1)), progress=False,
-                          anchor_sigma=anchor_sigma, anchor_floor=anchor_floor)
+                          memory_select=mode, generator=episode_generators(seed, (i, i + 1)), progress=False)
             per[mode] += psnr_per_frame(gen.float(), real).clamp(max=PSNR_CAP).tolist()
         per["copy_last"] += psnr_per_frame(video[:, c - 1:c].expand_as(real), real).clamp(max=PSNR_CAP).tolist()
         for b in range(2):  # oracle: each generated frame's best match among the first turn's frames
             lo, hi = first[b]
             sim = psnr_matrix(torch.cat([real[b], video[b, lo:hi]]))[:n, n:]  # (N, first turn)
             per["oracle"].append(sim.max(dim=1).values.clamp(max=PSNR_CAP).tolist())
-    return {**_summarise(per, n_boot, seed, run, data), "anchor_sigma": anchor_sigma, "anchor_floor": anchor_floor}
+    return {**_summarise(per, n_boot, seed, run, data), **anchor}
 
 
 def _summarise(per: dict[str, list[list[float]]], n_boot: int, seed: int, run: str, data: str) -> dict[str, Any]:
@@ -142,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=None)
-    p.add_argument("--anchor-sigma", type=float, default=0.0, help="the rollouts' low-frequency anchor (sample.py's)")
-    p.add_argument("--anchor-floor", type=int, default=0, help="its floor level (sample.py's --anchor-floor)")
+    add_anchor_flags(p)
     args = p.parse_args(argv)
     try:
         result = look_around_test(args.run, args.data, args.episodes, args.steps, args.seed, args.device,

@@ -24,18 +24,41 @@ view is the conditional mean's (benchmarks/RESULTS.md, "the low-frequency anchor
 A frame that never sat at level K (a schedule file whose windows start lower) is not anchored. The anchor is kept
 per window position and moves with the window (:meth:`LowFrequencyAnchor.shift`), so FIFO and pyramid schedules,
 whose frames enter at K at different rows, anchor every frame to its own first prediction.
+
+A run's own anchor is its ``diffusion.anchor_sigma`` / ``anchor_floor`` (the tiny preset: 1 px above level 100),
+which ``rollout`` uses when given None; the experiments' CLIs take sample.py's flags through
+:func:`add_anchor_flags` and :func:`use_anchor`.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from arvdm.model.diffusion import PerFrameDiffusion
 
-__all__ = ["LowFrequencyAnchor", "gaussian_lowpass"]
+__all__ = ["LowFrequencyAnchor", "add_anchor_flags", "gaussian_lowpass", "use_anchor"]
+
+
+def add_anchor_flags(parser: argparse.ArgumentParser) -> None:
+    """sample.py's ``--anchor-sigma S`` / ``--anchor-floor L`` on another CLI (default: the run's)."""
+    parser.add_argument("--anchor-sigma", type=float, default=None, metavar="S",
+                        help="the rollouts' low-frequency anchor, as sample.py's (default: the run's "
+                             "diffusion.anchor_sigma; 0 = the plain sampler)")
+    parser.add_argument("--anchor-floor", type=int, default=None, metavar="L",
+                        help="its floor level, as sample.py's (default: the run's diffusion.anchor_floor)")
+
+
+def use_anchor(cfg: Any, sigma: float | None, floor: int | None) -> dict[str, Any]:
+    """Make ``sigma`` / ``floor`` (None = keep the run's) the anchor of the run's config ``cfg`` (checked, errors
+    naming sample.py's flags), so every ``rollout`` built on ``cfg.diffusion`` uses it; returns it to record."""
+    d = cfg.diffusion
+    d.anchor_sigma, d.anchor_floor = d.anchor(sigma, floor, ("--anchor-sigma", "--anchor-floor"))
+    return {"anchor_sigma": d.anchor_sigma, "anchor_floor": d.anchor_floor}
 
 
 def gaussian_lowpass(x: torch.Tensor, sigma: float) -> torch.Tensor:

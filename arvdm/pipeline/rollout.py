@@ -28,7 +28,8 @@ squared-error loss (Kumar & Byrne 2004) — copies its window to all N, and comm
 pays less of a sample's own spread, for N times the compute. N = 1 is exactly the plain rollout.
 ``anchor_sigma`` σ > 0 holds every frame's low frequencies (a Gaussian blur of σ pixels) at its level-K
 prediction, the model's conditional mean, and lets the sampler draw the rest (:mod:`arvdm.pipeline.anchor`);
-σ = 0 is exactly the plain rollout.
+σ = 0 is exactly the plain rollout; by default σ and its floor are the run's (``diffusion.cfg.anchor_sigma`` /
+``anchor_floor``: 1 px above level 100 for the tiny preset), as eta is.
 
 ``use_cache=False`` is the Diffusion Forcing reference behaviour: no KV cache; at every denoising call the
 model re-encodes the remembered past frames, passed as ``memory=MemoryFrames(...)``. Which past frames are
@@ -48,7 +49,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from arvdm.config import SamplingError, check_anchor_floor, check_anchor_sigma, check_eta, check_guidance
+from arvdm.config import SamplingError, check_eta, check_guidance
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.anchor import LowFrequencyAnchor
 from arvdm.pipeline.rollout_model import RolloutModel
@@ -65,8 +66,8 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             generator: Generators = None, use_cache: bool = True, progress: bool = True,
             return_intermediate: bool = False, rows: RowRunner | None = None, poses: torch.Tensor | None = None,
             memory_select: str | None = None, context_level: int | None = None, history_guidance: float = 0.0,
-            candidates: int = 1, anchor_sigma: float = 0.0,
-            anchor_floor: int = 0) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+            candidates: int = 1, anchor_sigma: float | None = None,
+            anchor_floor: int | None = None) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """Generate ``n_frames`` frames after ``context`` with a Meta-ARVDM schedule.
 
     Args:
@@ -112,8 +113,10 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             :func:`candidate_generators`; N times the batch, memory and compute. 1 = the plain rollout.
         anchor_sigma: σ >= 0 pixels (plain rows): every frame's x̂0 keeps the low frequencies (Gaussian blur of σ)
             of its prediction at level K, the model's conditional mean (:mod:`arvdm.pipeline.anchor`); no model
-            call is added. 0 = exactly the plain sampler.
+            call is added. 0 = exactly the plain sampler. None = the diffusion's own ``diffusion.cfg.anchor_sigma``
+            (the run's; 0 with a speculative ``rows`` runner, which does not support the anchor).
         anchor_floor: L in 0..K-1: the anchor pulls only in calls that start above level L (0 = every call).
+            None = ``diffusion.cfg.anchor_floor`` when there is an anchor, else 0.
 
     Returns:
         (B, n_frames, ch, H, W) generated frames, or ``(frames, steps)`` with ``return_intermediate``.
@@ -139,7 +142,7 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
              context_actions: torch.Tensor, actions: torch.Tensor, n_frames: int, eta: float | None,
              generator: Generators, use_cache: bool, progress: bool, return_intermediate: bool,
              rows: RowRunner | None, poses: torch.Tensor | None, memory_select: str | None, context_level: int | None,
-             history_guidance: float, anchor_sigma: float, anchor_floor: int,
+             history_guidance: float, anchor_sigma: float | None, anchor_floor: int | None,
              n_candidates: int) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """:func:`rollout` on a batch that holds ``n_candidates`` consecutive candidates of every sample."""
     b, n_ctx = _check_inputs(context, context_actions, actions, n_frames)
@@ -148,12 +151,11 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
     k_ctx = schedule.context_level if context_level is None else check_context_level(
         context_level, schedule.num_levels, "rollout context_level")
     guidance = check_guidance(history_guidance, "rollout history_guidance", SamplingError)
-    sigma = check_anchor_sigma(anchor_sigma, "rollout anchor_sigma", SamplingError)
-    floor = check_anchor_floor(anchor_floor, schedule.num_levels, "rollout anchor_floor", SamplingError)
-    if floor and not sigma:
-        raise SamplingError(f"rollout anchor_floor={floor} needs anchor_sigma > 0 (the level the anchor's pull stops "
-                            "at)")
     runner = PlainRows() if rows is None else rows
+    if anchor_sigma is None and not isinstance(runner, PlainRows):
+        anchor_sigma = 0.0  # speculative rows do not support an anchor: the run's default does not apply
+    # None = the run's, as eta (diffusion.cfg)
+    sigma, floor = diffusion.cfg.anchor(anchor_sigma, anchor_floor, ("rollout anchor_sigma", "rollout anchor_floor"))
     if (k_ctx or guidance or sigma) and not isinstance(runner, PlainRows):
         raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} / anchor_sigma={sigma} need the "
                             f"plain row runner; {type(runner).__name__} does not support them yet (use "
