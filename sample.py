@@ -8,6 +8,7 @@
     python sample.py --run runs/tiny --set hybrid.fraction=0.5 --set hybrid.select=offline --set hybrid.sink=1
     python sample.py --run runs/tiny --eta 1 --speculate ucb           # exact speculative rows, UCBSpec
     python sample.py --run runs/tiny --eta 1 --speculate fixed:3 --draft runs/small   # a smaller draft model
+    python sample.py --run runs/tiny --anchor-sigma 0                  # the plain sampler (tiny: the anchor on)
 
 Writes rollout.mp4, rollout.npz (`real`, `fake`), metrics.csv and, with --eval, eval.json into --out
 (default RUN/samples/<schedule>); with --speculate also speculation.json and speculation_arms.png. The logic

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_noisy_context import B, K, clip, make
 
 import sample
-from arvdm.config import ConfigError, SamplingError
+from arvdm.config import Config, ConfigError, SamplingError, get_preset
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.anchor import LowFrequencyAnchor, gaussian_lowpass, use_anchor
 from arvdm.pipeline.rollout import episode_generators, rollout
@@ -197,6 +197,12 @@ def test_the_runs_anchor_is_the_default_as_eta_is():
             SampleSettings(anchor_sigma=0.0).with_run_defaults(cfg).anchor_floor) == (30, 0)
     spec_settings = SampleSettings(speculate="ucb").with_run_defaults(cfg)
     assert (spec_settings.anchor_sigma, spec_settings.anchor_floor) == (0.0, 0)
+    # a run saved before the anchor keys existed samples as it always did: no anchor
+    old = cfg.to_dict()
+    for key in ("anchor_sigma", "anchor_floor"):
+        del old["diffusion"][key]
+    assert Config.from_dict(old).diffusion.anchor() == (0.0, 0)
+    assert get_preset("tiny").diffusion.anchor() == (1.0, 100)
     bad = dataclasses.replace(cfg.diffusion, anchor_sigma=0.0, anchor_floor=30)
     with pytest.raises(ConfigError, match="diffusion.anchor_floor=30 needs diffusion.anchor_sigma > 0"):
         bad.validate()
