@@ -97,10 +97,13 @@ class DiffusionConfig:
     anchor_floor: int = 0
 
     def anchor(self, sigma: float | None = None, floor: int | None = None, flags: tuple[str, str] = (
-            "anchor_sigma", "anchor_floor"), error: type[ArvdmError] = SamplingError) -> tuple[float, int]:
-        """The anchor's (σ, floor) to sample with, checked: None = this config's σ, and its floor when σ > 0
-        (else 0); errors name ``flags``."""
-        sigma = check_anchor_sigma(self.anchor_sigma if sigma is None else sigma, flags[0], error)
+            "anchor_sigma", "anchor_floor"), error: type[ArvdmError] = SamplingError,
+               supported: bool = True) -> tuple[float, int]:
+        """The anchor's (σ, floor) to sample with, checked: None = this config's σ (0 where the sampler does not
+        support an anchor, ``supported=False``: speculative rows), and its floor when σ > 0 (else 0); errors name
+        ``flags``."""
+        own = self.anchor_sigma if supported else 0.0
+        sigma = check_anchor_sigma(own if sigma is None else sigma, flags[0], error)
         floor = check_anchor_floor((self.anchor_floor if sigma else 0) if floor is None else floor,
                                    self.num_levels, flags[1], error)
         if floor and not sigma:

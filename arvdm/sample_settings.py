@@ -102,7 +102,7 @@ class SampleSettings:
         level = self.context_level
         if level is None and str(self.schedule) in SCHEDULE_PRESETS and not self.speculate:
             level = d.context_level
-        sigma, floor = d.anchor(0.0 if self.speculate and self.anchor_sigma is None else self.anchor_sigma,
-                                self.anchor_floor, ("--anchor-sigma", "--anchor-floor"))
+        sigma, floor = d.anchor(self.anchor_sigma, self.anchor_floor, ("--anchor-sigma", "--anchor-floor"),
+                                supported=not self.speculate)
         return dataclasses.replace(self, eta=eta, context_level=level, anchor_sigma=sigma,
                                    anchor_floor=floor).validate()

@@ -152,10 +152,9 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
         context_level, schedule.num_levels, "rollout context_level")
     guidance = check_guidance(history_guidance, "rollout history_guidance", SamplingError)
     runner = PlainRows() if rows is None else rows
-    if anchor_sigma is None and not isinstance(runner, PlainRows):
-        anchor_sigma = 0.0  # speculative rows do not support an anchor: the run's default does not apply
-    # None = the run's, as eta (diffusion.cfg)
-    sigma, floor = diffusion.cfg.anchor(anchor_sigma, anchor_floor, ("rollout anchor_sigma", "rollout anchor_floor"))
+    # None = the run's, as eta (diffusion.cfg); not with speculative rows, which do not support an anchor
+    sigma, floor = diffusion.cfg.anchor(anchor_sigma, anchor_floor, ("rollout anchor_sigma", "rollout anchor_floor"),
+                                        supported=isinstance(runner, PlainRows))
     if (k_ctx or guidance or sigma) and not isinstance(runner, PlainRows):
         raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} / anchor_sigma={sigma} need the "
                             f"plain row runner; {type(runner).__name__} does not support them yet (use "
