@@ -7,6 +7,8 @@ One GPU:
     python train.py --preset paper --data datasets/memory_maze --out runs/paper
 Several GPUs on one node (DistributedDataParallel; batch_size is per GPU):
     torchrun --standalone --nproc_per_node 8 train.py --preset paper --data datasets/memory_maze
+A model that outgrows one GPU: shard weights, gradients and optimizer state over the ranks (FSDP) instead of DDP:
+    torchrun --standalone --nproc_per_node 8 train.py --preset paper --data datasets/memory_maze --set train.fsdp=true
 Several nodes (run on every node; data and --out on a shared filesystem):
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --rdzv_backend c10d \
         --rdzv_endpoint HOST:29500 train.py --preset paper --data datasets/memory_maze

@@ -287,6 +287,7 @@ class TrainConfig:
     # batch_size, like a GPU rank. Faster than one process on all cores for small models (docs/training.md)
     cpu_ranks: int = 1
     find_unused_parameters: bool = False  # DDP: a loss leaving some parameter unused (on with memory_dropout > 0)
+    fsdp: bool = False  # shard weights, gradients and AdamW state over the ranks (FSDP2) instead of DDP's replicas
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step (exact: one batch of grad_accum x)
     compile: bool = False  # torch.compile the denoiser for training (a GPU speed-up; slow first steps)
     # Noisy context (GameNGen 2024, Diffusion Forcing 2024): each memory frame is noised to a level drawn in

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +94,15 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def state_dict_for_safetensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A CPU, contiguous, storage-unshared copy of `module.state_dict()` (safetensors refuses shared storage)."""
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+def state_dict_for_safetensors(module: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU, contiguous, storage-unshared copy of `module.state_dict()` (safetensors refuses shared storage);
+    `module` may be a state dict already (a sharded model's, gathered: arvdm.training.sharding)."""
+    state = module if isinstance(module, Mapping) else module.state_dict()
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module, cfg: Config, *,
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor],
+                    cfg: Config, *,
                     ema: torch.nn.Module | None = None, state: dict[str, Any] | None = None,
                     keep: int = 2) -> Path:
     """Write checkpoint `step` of `run_dir` atomically, then keep only the newest `keep` ones.
@@ -154,8 +158,10 @@ def write_folder_atomically(final: str | os.PathLike, fill) -> Path:
 
 
 # -- weights I/O (diffusers-style save_pretrained / from_pretrained) ------------------------------------
-def save_pretrained(module: torch.nn.Module, directory: str | os.PathLike, cfg: Config | None = None) -> Path:
+def save_pretrained(module: torch.nn.Module | Mapping[str, torch.Tensor], directory: str | os.PathLike,
+                    cfg: Config | None = None) -> Path:
     """Write `model.safetensors` + `config.json` (the whole Config; default ``module.cfg``) into `directory`.
+    `module` may be its full state dict (then `cfg` is needed).
 
     A new folder is written under a temporary name and renamed into place; into an existing folder each
     file is written to a temporary name, flushed and renamed over the old one (`atomic_write`).

@@ -11,7 +11,10 @@ run keeps the rows up to its checkpoint's step and drops the later ones (they be
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
+
+import torch
 
 LOG_COLUMNS = ["step", "loss", "lr", "grad_norm", "steps_per_s", "frames_per_s", "val_loss", "val_loss_ema",
                "elapsed_s"]
@@ -53,3 +56,25 @@ class RunLogger:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+class LossMeter:
+    """Training loss and speed since the last log row; the loss stays on the device until a row is due."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sum = torch.zeros((), device=device)
+        self.steps = 0
+        self.since = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+
+    def report(self, gnorm: torch.Tensor, lr: float, frames_per_step: int) -> dict[str, float]:
+        """The row's training numbers (mean loss since the last report, this step's lr and grad norm); resets."""
+        steps_per_s = self.steps / (time.perf_counter() - self.since)
+        row = {"loss": (self.loss_sum / self.steps).item(), "lr": lr, "grad_norm": gnorm.item(),
+               "steps_per_s": steps_per_s, "frames_per_s": steps_per_s * frames_per_step}
+        self.loss_sum.zero_()
+        self.steps, self.since = 0, time.perf_counter()
+        return row

@@ -247,9 +247,17 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
-        d = min(self.decay, (1 + step) / (10 + step))
+        d = ema_decay(self.decay, step)
         src = unwrap(model)
         for e, p in zip(self.model.parameters(), src.parameters()):
             e.lerp_(p.detach().float(), 1.0 - d)
         for e, b in zip(self.model.buffers(), src.buffers()):
             e.copy_(b)
+
+    def materialize(self) -> None:
+        """Bring `model` up to date before it is read; a sharded EMA gathers here (every rank calls it)."""
+
+
+def ema_decay(decay: float, step: int) -> float:
+    """The EMA's decay after `step` updates: min(decay, (1 + t) / (10 + t))."""
+    return min(decay, (1 + step) / (10 + step))
