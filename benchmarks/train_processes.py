@@ -2,6 +2,7 @@
 
     python benchmarks/train_processes.py                        # tiny preset: 1 process x 2 threads vs 2 ranks x 1
     python benchmarks/train_processes.py --procs 2 4 --steps 80 --rounds 3
+    python benchmarks/train_processes.py --fsdp                 # and the ranks sharding the model (train.fsdp)
 
 Both sides train the same global batch (the preset's train.batch_size; each of P ranks takes batch_size / P)
 with the real `train.py` (one process: train.cpu_ranks=1), the ranks under `torchrun --standalone` (DDP over
@@ -10,7 +11,9 @@ Intra-op threads share a small model's many small ops badly (on the 2-core devel
 ~1.2-1.45x one), while ranks of one thread each run whole steps side by side and pay one gradient all-reduce
 per step. Each run's speed is taken from its log.csv between the first logged step at or after `--skip` and its
 last, so start-up and warm-up are left out; the configurations take turns for `--rounds` rounds and the table
-gives the median and range of global-batch steps/s and the ratio to one process.
+gives the median and range of global-batch steps/s and the ratio to one process. `--fsdp` adds each rank count
+again with `train.fsdp=true` (weights, gradients and AdamW state sharded: all-gathers before each unit's forward and
+backward, a reduce-scatter after, instead of one all-reduce).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="training steps per run")
     p.add_argument("--skip", type=int, default=20, help="steps left out of the timing (start-up, warm-up)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--fsdp", action="store_true", help="also time each rank count with train.fsdp=true")
     args = p.parse_args()
 
     cfg = apply_overrides(get_preset(args.preset), args.overrides).validate()
@@ -61,13 +65,14 @@ def main() -> None:
     common = ["--preset", args.preset, "--max-steps", str(args.steps), *sum((["--set", o] for o in args.overrides), []),
               "--set", "train.val_every=0", "--set", "train.sample_every=0", "--set", "train.log_every=10",
               "--set", f"train.ckpt_every={10 ** 9}"]
-    ranks = {"1 process": 1, **{f"{n} ranks": n for n in args.procs}}  # configuration -> ranks
+    ranks = {"1 process": (1, False), **{f"{n} ranks": (n, False) for n in args.procs},  # configuration -> (ranks,
+             **{f"{n} ranks, FSDP": (n, True) for n in (args.procs if args.fsdp else [])}}  # fsdp)
     speeds: dict[str, list[float]] = {name: [] for name in ranks}
     with tempfile.TemporaryDirectory() as tmp:
         data = synthetic_data(Path(tmp) / "data", cfg, episodes=8)
         for r in range(args.rounds):
-            for name, n in ranks.items():
-                out = Path(tmp) / f"run_{r}_{n}"
+            for name, (n, fsdp) in ranks.items():
+                out = Path(tmp) / f"run_{r}_{n}_{int(fsdp)}"
                 env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
                 if n == 1:
                     env["OMP_NUM_THREADS"] = str(threads)
@@ -77,7 +82,7 @@ def main() -> None:
                     env["OMP_NUM_THREADS"] = "1"
                     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                            "train.py"]
-                    extra = ["--set", f"train.batch_size={batch // n}"]
+                    extra = ["--set", f"train.batch_size={batch // n}", "--set", f"train.fsdp={str(fsdp).lower()}"]
                 subprocess.run(cmd + common + extra + ["--data", str(data), "--out", str(out)], cwd=REPO, env=env,
                                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 speeds[name].append(steps_per_s(out / "log.csv", args.skip))

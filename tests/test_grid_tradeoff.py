@@ -243,7 +243,11 @@ def test_labels_from_config_keys_and_seeds_pooled():
     assert (other["x"].label, other["y"].label) == ("lr0.001", "lr0.003")
     anchored = cell_labels([{"name": "p", "values": {"sample.anchor_sigma": 0.0, "sample.anchor_floor": 0}},
                             {"name": "q", "values": {"sample.anchor_sigma": 1.0, "sample.anchor_floor": 300}}])
-    assert (anchored["p"].label, anchored["q"].label) == ("base", "anchor1 floor300")
+    assert (anchored["p"].label, anchored["q"].label) == ("anchor0 floor0", "anchor1 floor300")
+    # None is the run's own setting (tiny: anchor on, k_ctx 20); an explicit 0 turns it off and must not read alike
+    run_or_off = cell_labels([{"name": f"c{i}", "values": {"sample.anchor_sigma": a, "sample.context_level": c}}
+                              for i, (a, c) in enumerate([(None, None), (0.0, None), (None, 0)])])
+    assert [run_or_off[f"c{i}"].label for i in range(3)] == ["base", "anchor0", "ctx0"]
     runs_anchor = cell_labels([{"name": "p", "values": {"diffusion.anchor_sigma": 0.0, "diffusion.anchor_floor": 0}},
                                {"name": "q", "values": {"diffusion.anchor_sigma": 1.0, "diffusion.anchor_floor": 100}}])
     assert (runs_anchor["p"].label, runs_anchor["q"].label) == ("-anchor", "base")  # tiny has it on

@@ -13,7 +13,9 @@ between the cells appear. Known keys read as:
 - ``memory.structure``: ``prepend``, ``concat``, ``xattn``; compression: ``raw`` or ``joint8``;
 - the error-accumulation levers, only when on: ``+noise<max>`` (train.context_noise_max),
   ``ctx<level>`` (sample.context_level), ``+drop<p>`` (train.memory_dropout), ``hg<W>``
-  (sample.history_guidance);
+  (sample.history_guidance), ``anchor<σ>`` / ``floor<level>`` (sample.anchor_sigma / anchor_floor); the sampling
+  settings whose None means "the run's own" (RUN_DEFAULT_LEVERS) read as nothing only when None, so an explicit
+  0 (``ctx0``, ``anchor0``: switched off for a run that has it on) differs from the run's default;
 - switches the main job has on, only when off: ``-lastframe`` (model.last_frame_input false), ``-advect``
   (model.action_advection 0), ``-gate`` (model.copy_gate off; its loss keys go with it and read as nothing),
   ``-anchor`` (diffusion.anchor_sigma 0, the run's sampling anchor; its floor reads as nothing);
@@ -42,6 +44,8 @@ MEMORY_PART_KEYS = ("memory.select", "sample.memory_select", "memory.pose_frames
 #: Switch-like keys: shown only when on (value not 0 / None / False), as prefix + value.
 LEVERS = {"train.context_noise_max": "+noise", "sample.context_level": "ctx", "train.memory_dropout": "+drop",
           "sample.history_guidance": "hg", "sample.anchor_sigma": "anchor", "sample.anchor_floor": "floor"}
+#: Sampling levers whose None is the run's own setting (which may be on): any value set, 0 included, is shown.
+RUN_DEFAULT_LEVERS = ("sample.context_level", "sample.anchor_sigma", "sample.anchor_floor")
 #: Switches `tiny` has on: shown only when a cell turns them off, as this text.
 OFF_SWITCHES = {"model.last_frame_input": "-lastframe", "model.action_advection": "-advect", "model.copy_gate": "-gate",
                 "train.copy_gate_loss": "", "train.copy_gate_detach": "", "diffusion.anchor_sigma": "-anchor",
@@ -103,7 +107,7 @@ def label_parts(values: Mapping[str, Any], varying: Iterable[str]) -> tuple[list
         if key in SEED_KEYS:
             seeds.append(f"s{_fmt(v)}")
         elif key in LEVERS:
-            if _is_on(v):
+            if _is_on(v) or (key in RUN_DEFAULT_LEVERS and v is not None):
                 config.append(f"{LEVERS[key]}{_fmt(v)}")
         elif key in OFF_SWITCHES:
             if not _is_on(v) and OFF_SWITCHES[key]:

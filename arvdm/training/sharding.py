@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -38,16 +39,19 @@ from arvdm.training.objective import EMA, ema_decay
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0, on its CPU
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Shard the denoiser in place: one FSDP unit per transformer block, the conv encoder and decoder, and the root.
+def shard_model(model: torch.nn.Module, device: torch.device, world_size: int) -> torch.nn.Module:
+    """Shard the denoiser in place over `world_size` ranks: one FSDP unit per transformer block, the conv encoder
+    and decoder, and the root.
 
     Only modules that run through `__call__` can be units (FSDP gathers a unit's weights in its forward hook);
-    the root holds everything else. Build the optimizer after this: it must see the sharded parameters.
+    the root holds everything else. The mesh is the training device's (FSDP's default is CUDA whenever a GPU is
+    present, even for a run on the CPU). Build the optimizer after this: it must see the sharded parameters.
     """
+    mesh = init_device_mesh(device.type, (world_size,))
     units = list(model.blocks) + [m for m in (model.encoder, model.decoder) if m is not None]
     for unit in units:
-        fully_shard(unit)
-    fully_shard(model)
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

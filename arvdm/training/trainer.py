@@ -160,7 +160,7 @@ class Trainer:
         if not self.dist.enabled:
             raise ConfigError("train.fsdp=true shards the model over several processes; this is one: launch with "
                               "torchrun --nproc_per_node N (on a CPU, train.py with train.cpu_ranks >= 2)")
-        sharding.shard_model(self.model)
+        sharding.shard_model(self.model, self.device, self.dist.world_size)
         self.ema = sharding.ShardedEMA(self.ema, self.model)
 
     def _wrap_for_training(self) -> None:
