@@ -139,6 +139,14 @@ class ActionAdvection(nn.Module):
             f, out = last.float().reshape(1, b * c, h, w), []
             for j in range(actions.shape[1]):
                 wj = kern[actions[:, j]][:, None].expand(b, c, k, k).reshape(b * c, 1, k, k)  # per sample and channel
-                f = F.conv2d(F.pad(f, (r, r, r, r), mode="replicate"), wj, groups=b * c)  # (1,B*C,H,W)
+                f = F.conv2d(_replicate_pad(f, r), wj, groups=b * c)  # (1,B*C,H,W)
                 out.append(f.view(b, c, h, w))
         return torch.stack(out, dim=1)  # (B,T,C,H,W)
+
+
+@torch.compiler.disable
+def _replicate_pad(f: torch.Tensor, r: int) -> torch.Tensor:
+    """(..., H, W) -> (..., H+2r, W+2r), borders replicated. Eager under torch.compile: inductor (torch 2.14) lowers
+    the backward of this pad with channels-last strides that its own meta kernel then rejects (an AssertionError
+    in `replication_pad2d_backward` at the first compiled training step; tests/test_training_perf.py)."""
+    return F.pad(f, (r, r, r, r), mode="replicate")
