@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_ddp import RECORD_WRITES
 from test_malformed_inputs import TINY, write_data
 
@@ -31,17 +32,20 @@ STRUCTURES = ("prepend", "channel_concat", "cross_attention")
 COMPRESSORS = ("none", "joint", "modulated")
 MATRIX = [[f"memory.structure={s}", f"memory.compressor={c}", f"memory.budget={0 if c == 'none' else 1}"]
           for s, c in itertools.product(STRUCTURES, COMPRESSORS)]
+FSDP_MATRIX = [m + ["train.fsdp=true"] for m in MATRIX]  # the same under FSDP (arvdm.training.sharding)
 
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
 
-# Both ranks train every configuration of the matrix for two steps and all-gather their flattened weights.
+# Both ranks train every configuration of the matrix for two steps and all-gather their flattened weights (under
+# FSDP each rank's shards are gathered first).
 # Every function that writes run outputs first notes which rank called it (one file per rank).
 MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
     import gc, json
     import torch, torch.distributed as dist
     from arvdm.config import apply_overrides, get_preset
     from arvdm.training.distributed import cleanup_distributed, setup_distributed
+    from arvdm.training.sharding import full_tensor
 
     torch.set_num_threads(1)
     info = setup_distributed("cpu", timeout_s=120)
@@ -50,10 +54,11 @@ MATRIX_WORKER = RECORD_WRITES + textwrap.dedent("""
     for i, extra in enumerate(matrix):
         cfg = apply_overrides(get_preset("tiny_time"), base + extra).validate()
         trainer = T.Trainer(cfg, os.path.join(out, f"run{i}"), dist_info=info)
-        start = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        weights = lambda: torch.cat([full_tensor(p.detach()).flatten() for p in trainer.model.parameters()])
+        start = weights()
         trainer.fit()
         trainer.close()
-        flat = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        flat = weights()
         both = [torch.empty_like(flat) for _ in range(info.world_size)]
         dist.all_gather(both, flat)
         results.append({"config": extra, "identical": bool(torch.equal(both[0], both[1])),
@@ -131,7 +136,7 @@ def test_a_parameter_without_gradient_is_named_on_the_first_step(tmp_path):
         trainer.fit()
 
 
-@pytest.mark.slow  # two processes training 9 tiny configurations: ~1 min on a loaded 2-core CPU
+@pytest.mark.slow  # two processes training 9 tiny configurations under DDP and FSDP: ~2 min on a loaded 2-core CPU
 def test_ddp_every_structure_and_compressor_keeps_ranks_identical(tmp_path):
     data = write_data(tmp_path / "data", n=3)
     ClipDataset(data / "training", 6)  # build the episode index once, before two ranks race to write it
@@ -139,7 +144,7 @@ def test_ddp_every_structure_and_compressor_keeps_ranks_identical(tmp_path):
     (tmp_path / "writes").mkdir()
     script = tmp_path / "matrix.py"
     script.write_text(MATRIX_WORKER)
-    procs = launch(script, [], {"BASE": json.dumps(base_config(data)), "MATRIX": json.dumps(MATRIX),
+    procs = launch(script, [], {"BASE": json.dumps(base_config(data)), "MATRIX": json.dumps(MATRIX + FSDP_MATRIX),
                                 "OUT": str(tmp_path / "out"), "WRITES_DIR": str(tmp_path / "writes")})
     outputs = [p.communicate(timeout=900) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(err[-3000:] for _, err in outputs)
@@ -147,15 +152,22 @@ def test_ddp_every_structure_and_compressor_keeps_ranks_identical(tmp_path):
     written = json.loads((tmp_path / "out/results.json").read_text())
     assert written["ddp_alive"] == 0, "a DDP wrapper outlived cleanup_distributed (Trainer.close not called)"
     results = written["matrix"]
-    assert [r["config"] for r in results] == MATRIX
+    assert [r["config"] for r in results] == MATRIX + FSDP_MATRIX
     for r in results:
         assert r["identical"], f"{r['config']}: ranks' weights differ after 2 DDP steps"
         assert r["moved"] > 0, f"{r['config']}: the weights did not change"
     # Only rank 0 wrote: one log and one checkpoint (step 2) per configuration.
     assert sorted(p.name for p in (tmp_path / "writes").iterdir()) == ["rank0"]
-    assert sorted((tmp_path / "writes/rank0").read_text().split()) == ["checkpoint"] * 9 + ["log"] * 9
-    for i in range(len(MATRIX)):
+    assert sorted((tmp_path / "writes/rank0").read_text().split()) == ["checkpoint"] * 18 + ["log"] * 18
+    for i in range(len(MATRIX) * 2):
         assert sorted(p.name for p in (tmp_path / f"out/run{i}/checkpoints").iterdir()) == ["step_0000002"]
+    # FSDP trains every structure and compressor as DDP does (float rounding apart), into the same full checkpoint
+    for i, config in enumerate(MATRIX):
+        ddp, fsdp = (load_file(str(tmp_path / f"out/run{j}/checkpoints/step_0000002/model.safetensors"))
+                     for j in (i, i + len(MATRIX)))
+        assert ddp.keys() == fsdp.keys()
+        for k in ddp:
+            torch.testing.assert_close(fsdp[k], ddp[k], rtol=0, atol=1e-5, msg=f"{config} {k}")
 
 
 @pytest.mark.slow  # two processes; the frozen case waits out a 5 s process-group timeout

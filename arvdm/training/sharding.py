@@ -4,8 +4,9 @@
 
 DistributedDataParallel keeps the whole model, its gradients and AdamW's two moments on every rank; FSDP keeps
 1/N of each on each of N ranks and all-gathers a unit's weights just before its forward (and again for its
-backward), reduce-scattering the gradients after. The units are the transformer blocks and the conv encoder /
-decoder; the embeddings, memory stems and final layer form the root unit. The arithmetic is DDP's: gradients are
+backward), reduce-scattering the gradients after. The units are the transformer blocks (and their
+cross-attention, when the memory is read that way) and the conv encoder / decoder; the embeddings, memory stems
+and final layer form the root unit. The arithmetic is DDP's: gradients are
 averaged over ranks, so a run under FSDP follows the same trajectory as one under DDP (to float rounding; tested).
 
 What stays the same for everything around training, so one checkpoint format serves both:
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from arvdm.model.checkpoint import unwrap
@@ -43,11 +44,17 @@ def shard_model(model: torch.nn.Module, device: torch.device, world_size: int) -
     """Shard the denoiser in place over `world_size` ranks: one FSDP unit per transformer block, the conv encoder
     and decoder, and the root.
 
-    Only modules that run through `__call__` can be units (FSDP gathers a unit's weights in its forward hook);
-    the root holds everything else. The mesh is the training device's (FSDP's default is CUDA whenever a GPU is
+    FSDP gathers a unit's weights in its forward hook, so a unit's weights are there when it runs through `__call__`;
+    a block's cross-attention (memory.structure=cross_attention) is also called from the root, for the memory's keys
+    and values (`CrossAttention.memory_kv`), so it is a unit of its own with that method registered as a forward.
+    The root holds everything else. The mesh is the training device's (FSDP's default is CUDA whenever a GPU is
     present, even for a run on the CPU). Build the optimizer after this: it must see the sharded parameters.
     """
     mesh = init_device_mesh(device.type, (world_size,))
+    for blk in model.blocks:
+        if blk.cross is not None:
+            fully_shard(blk.cross, mesh=mesh)
+            register_fsdp_forward_method(blk.cross, "memory_kv")
     units = list(model.blocks) + [m for m in (model.encoder, model.decoder) if m is not None]
     for unit in units:
         fully_shard(unit, mesh=mesh)
