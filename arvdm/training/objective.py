@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from arvdm.config import TrainConfig
 from arvdm.model.checkpoint import unwrap
@@ -247,17 +248,21 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
-        d = ema_decay(self.decay, step)
+        d = min(self.decay, (1 + step) / (10 + step))
         src = unwrap(model)
-        for e, p in zip(self.model.parameters(), src.parameters()):
-            e.lerp_(p.detach().float(), 1.0 - d)
-        for e, b in zip(self.model.buffers(), src.buffers()):
+        for e, p in zip(self.averages(), src.parameters()):  # under FSDP each rank its own slices of both
+            _local(e).lerp_(_local(p.detach()).float(), 1.0 - d)
+        for e, b in zip(self.model.buffers(), src.buffers()):  # buffers are never sharded
             e.copy_(b)
+
+    def averages(self) -> list[torch.Tensor]:
+        """The tensors `update` averages into: `model`'s parameters (a sharded EMA keeps its own)."""
+        return list(self.model.parameters())
 
     def materialize(self) -> None:
         """Bring `model` up to date before it is read; a sharded EMA gathers here (every rank calls it)."""
 
 
-def ema_decay(decay: float, step: int) -> float:
-    """The EMA's decay after `step` updates: min(decay, (1 + t) / (10 + t))."""
-    return min(decay, (1 + step) / (10 + step))
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a sharded tensor (a DTensor under FSDP); a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t

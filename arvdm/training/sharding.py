@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from arvdm.model.checkpoint import unwrap
-from arvdm.training.objective import EMA, ema_decay
+from arvdm.training.objective import EMA
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0, on its CPU
 
@@ -140,14 +140,12 @@ class ShardedEMA(EMA):
                        for e, p in zip(self.model.parameters(), sharded.parameters())]
         self._stale = False
 
-    @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
-        d, src = ema_decay(self.decay, step), unwrap(model)
-        for s, p in zip(self.shards, src.parameters()):  # each rank its slices, as EMA.update does whole tensors
-            s.to_local().lerp_(p.detach().to_local().float(), 1.0 - d)
-        for e, b in zip(self.model.buffers(), src.buffers()):  # buffers are not sharded
-            e.copy_(b)
+        super().update(model, step)
         self._stale = True
+
+    def averages(self) -> list[torch.Tensor]:
+        return self.shards
 
     @torch.no_grad()
     def materialize(self) -> None:
