@@ -107,16 +107,14 @@ class DiffusionConfig:
         floor = check_anchor_floor((self.anchor_floor if sigma else 0) if floor is None else floor,
                                    self.num_levels, flags[1], error)
         if floor and not sigma:
-            raise error(f"{flags[1]} {floor} needs an anchor, but {flags[0]} is 0 (diffusion.anchor_sigma "
-                        f"{self.anchor_sigma}); give {flags[0]} > 0")
+            own_sigma = "" if flags[0] == "diffusion.anchor_sigma" else f" (diffusion.anchor_sigma {self.anchor_sigma})"
+            raise error(f"{flags[1]} {floor} needs an anchor, but {flags[0]} is 0{own_sigma}; give {flags[0]} > 0")
         return sigma, floor
 
     def validate(self) -> None:
         _check(self.num_levels >= 2, "diffusion.num_levels", self.num_levels, "must be >= 2")
-        check_anchor_sigma(self.anchor_sigma, "diffusion.anchor_sigma")
-        check_anchor_floor(self.anchor_floor, self.num_levels, "diffusion.anchor_floor")
-        _check(self.anchor_floor == 0 or self.anchor_sigma > 0, "diffusion.anchor_floor", self.anchor_floor,
-               "needs diffusion.anchor_sigma > 0 (the level the anchor's pull stops at)")
+        self.anchor(self.anchor_sigma, self.anchor_floor, ("diffusion.anchor_sigma", "diffusion.anchor_floor"),
+                    ConfigError)
         _check(type(self.context_level) is int and 0 <= self.context_level < self.num_levels, "diffusion.context_level",
                self.context_level, f"must be an integer in 0..{self.num_levels - 1} (a noise level below pure noise)")
         _check(self.beta_schedule in ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"),

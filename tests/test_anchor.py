@@ -204,7 +204,7 @@ def test_the_runs_anchor_is_the_default_as_eta_is():
     assert Config.from_dict(old).diffusion.anchor() == (0.0, 0)
     assert get_preset("tiny").diffusion.anchor() == (1.0, 100)
     bad = dataclasses.replace(cfg.diffusion, anchor_sigma=0.0, anchor_floor=30)
-    with pytest.raises(ConfigError, match="diffusion.anchor_floor=30 needs diffusion.anchor_sigma > 0"):
+    with pytest.raises(ConfigError, match="anchor_floor 30 needs an anchor, but diffusion.anchor_sigma is 0;"):
         bad.validate()
     for key, value in (("anchor_sigma", -1.0), ("anchor_sigma", float("nan")), ("anchor_floor", K)):
         with pytest.raises(ConfigError, match=f"diffusion.{key} must be"):
