@@ -122,3 +122,24 @@ def test_fsdp_needs_several_processes(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.fsdp=true .* several processes"):
         Trainer(cfg, tmp_path / "run", device="cpu")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow  # two two-rank launches of train.py: ~40 s on a 2-core CPU
+def test_fsdp_hybrid_fine_tune_follows_ddp(tmp_path):
+    """Hybrid fine-tune mode (LightTransfer: layer 1 made streaming before training) under FSDP: the conversion
+    happens before sharding, so the sharded run trains the same streaming model as DDP and saves its layers."""
+    data = write_episodes(tmp_path / "data", n_train=6, length=16)
+    # a 6-frame memory against sink 1 + recent 2: the streaming layer really drops keys (DDP and FSDP would part
+    # ways if sharding lost the conversion)
+    sets = TINY + ["model.depth=2", "memory.length=6", "hybrid.fraction=0.5", "hybrid.select=fixed",
+                   "hybrid.layers=[1]", "hybrid.sink=1", "hybrid.recent=2", "train.max_steps=4", "train.ckpt_every=2",
+                   "train.val_every=2", "train.val_batches=2"]
+    runs = {}
+    for fsdp in (False, True):
+        runs[fsdp] = tmp_path / ("fsdp" if fsdp else "ddp")
+        _torchrun(tmp_path, data, runs[fsdp], "--preset", "tiny_time",
+                  *[a for s in sets + [f"train.fsdp={str(fsdp).lower()}"] for a in ("--set", s)])
+    _assert_close_runs(runs[False], runs[True])
+    from arvdm.model.checkpoint import latest_checkpoint, load_config
+    saved = load_config(latest_checkpoint(runs[True])).hybrid
+    assert (saved.select, saved.layers, saved.fraction) == ("fixed", [1], 0.5)
