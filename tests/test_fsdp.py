@@ -143,3 +143,41 @@ def test_fsdp_hybrid_fine_tune_follows_ddp(tmp_path):
     from arvdm.model.checkpoint import latest_checkpoint, load_config
     saved = load_config(latest_checkpoint(runs[True])).hybrid
     assert (saved.select, saved.layers, saved.fraction) == ("fixed", [1], 0.5)
+
+
+def test_sharded_ema_holds_no_full_copy_between_reads(tmp_path):
+    """ShardedEMA (one gloo rank here): the full EMA module has no weights outside `read()`, and inside it holds
+    exactly what the plain EMA of the same updates holds."""
+    import copy
+
+    from arvdm.model.denoiser import Denoiser
+    from arvdm.training import sharding
+    from arvdm.training.objective import EMA
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
+                                         rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = Denoiser(tiny_cfg(write_episodes(tmp_path / "data")))
+        sharded = copy.deepcopy(model)
+        plain, ema = EMA(model, 0.9), EMA(sharded, 0.9)
+        sharding.shard_model(sharded, torch.device("cpu"), 1)
+        ema = sharding.ShardedEMA(ema, sharded)
+        assert all(p.numel() == 0 for p in ema.model.parameters())
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), sharded.parameters()):
+                p.add_(1.0)
+                q.add_(1.0)  # a DTensor: its local slice moves
+        plain.update(model, step=5)
+        ema.update(sharded, step=5)
+        with ema.read() as full:
+            assert full is ema.model
+            for (name, a), b in zip(plain.model.named_parameters(), full.parameters()):
+                assert torch.equal(a, b), name
+            assert any((a - p).abs().max() > 0.1 for a, p in zip(full.parameters(), model.parameters()))
+        assert all(p.numel() == 0 for p in ema.model.parameters())
+        with pytest.raises(RuntimeError), ema.read():  # a failed read frees it too
+            raise RuntimeError("boom")
+        assert all(p.numel() == 0 for p in ema.model.parameters())
+    finally:
+        torch.distributed.destroy_process_group()

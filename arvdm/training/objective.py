@@ -259,8 +259,12 @@ class EMA:
         """The tensors `update` averages into: `model`'s parameters (a sharded EMA keeps its own)."""
         return list(self.model.parameters())
 
-    def materialize(self) -> None:
-        """Bring `model` up to date before it is read; a sharded EMA gathers here (every rank calls it)."""
+    @contextlib.contextmanager
+    def read(self):
+        """The full EMA module, up to date, for one read (validation, a sample video, a checkpoint, rollout-trained
+        context): ``with ema.read() as m: ...``. A sharded EMA gathers it on entry and frees it on exit (every rank
+        enters: a collective); this one is always whole."""
+        yield self.model
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

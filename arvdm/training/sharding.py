@@ -14,8 +14,8 @@ What stays the same for everything around training, so one checkpoint format ser
   `optimizer.state_dict()`'s own layout (`full_optimizer_state`: parameter indices, full tensors), so a run saved
   under FSDP resumes under DDP or in one process, and the other way round (`load_optimizer_state`).
 - The EMA is sharded like the model (`ShardedEMA`: each rank averages its own slices) and gathered into the full
-  EMA module only when something reads it (validation, sample videos, checkpoints, rollout-trained context):
-  `EMA.materialize()`, a collective that every rank calls.
+  EMA module only for the span of a read (validation, sample videos, checkpoints, rollout-trained context):
+  `with ema.read() as m:`, a collective that every rank enters; between reads the full module holds no weights.
 """
 
 from __future__ import annotations
@@ -131,25 +131,29 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 class ShardedEMA(EMA):
     """The EMA of a sharded model: each rank averages its own slices (`shards`, DTensors placed like the model's
-    parameters); `model` is the full EMA module, brought up to date by `materialize()` when something reads it."""
+    parameters); `model` is the full EMA module, whose parameters are empty (0 elements) except inside `read()`."""
 
     def __init__(self, ema: EMA, sharded: torch.nn.Module):
-        """`ema.model` holds the starting weights (the initial model's, or a checkpoint's EMA)."""
+        """`ema.model` holds the starting weights (the initial model's, or a checkpoint's EMA); they move into the
+        shards and the full module's copy is freed."""
         self.decay, self.model = ema.decay, ema.model
         self.shards = [distribute_tensor(e.detach(), p.device_mesh, p.placements)
                        for e, p in zip(self.model.parameters(), sharded.parameters())]
-        self._stale = False
-
-    def update(self, model: torch.nn.Module, step: int) -> None:
-        super().update(model, step)
-        self._stale = True
+        self._free()
 
     def averages(self) -> list[torch.Tensor]:
         return self.shards
 
-    @torch.no_grad()
-    def materialize(self) -> None:
-        if self._stale:
+    def _free(self) -> None:
+        for e in self.model.parameters():
+            e.data = e.data.new_empty(0)
+
+    @contextlib.contextmanager
+    def read(self):
+        with torch.no_grad():
             for e, s in zip(self.model.parameters(), self.shards):
-                e.copy_(s.full_tensor())
-            self._stale = False
+                e.data = s.full_tensor()  # (full shape) gathered from every rank's slice
+        try:
+            yield self.model
+        finally:
+            self._free()
