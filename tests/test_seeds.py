@@ -119,3 +119,21 @@ def test_cli_writes_json_and_plot_and_refuses_bad_input(three_seeds, tmp_path, c
     # a missing folder: named, exit 2, no output files
     assert main(["--a", str(tmp_path / "nowhere"), "--json", str(tmp_path / "x.json")]) == 2
     assert "nowhere" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_grid_pooled_pairs_carry_the_interval_over_seeds():
+    """arvdm.experiments.paired.pool_pairs (the grid report's "Seeds pooled" table) uses the same interval."""
+    from arvdm.experiments.paired import POOLED_PAIR_COLUMNS, pool_pairs
+
+    table = [{"config": "pose - time", "seed": s, "difference": d, "lo": d - 0.1, "hi": d + 0.1, "first4_diff": 0.0,
+              "f17_64_diff": 0.0} for s, d in (("s0", 1.0), ("s1", 2.0), ("s2", 3.0))]
+    table.append({"config": "one seed", "seed": "s0", "difference": 0.5, "lo": -0.1, "hi": 1.1, "first4_diff": 0.0,
+                  "f17_64_diff": 0.0})
+    rows = {r["config"]: r for r in pool_pairs(table)}
+    three = rows["pose - time"]
+    half = 4.303 / math.sqrt(3)  # sd 1 over three seeds; the seeds' own errors (0.05) are smaller
+    assert three["difference"] == pytest.approx(2.0)
+    assert (three["difference_lo"], three["difference_hi"]) == (pytest.approx(2.0 - half), pytest.approx(2.0 + half))
+    assert three["intervals_above_0"] == "3 of 3"
+    assert rows["one seed"]["difference_lo"] is None and rows["one seed"]["intervals_above_0"] == "0 of 1"
+    assert {"difference_lo", "difference_hi"} <= set(POOLED_PAIR_COLUMNS)

@@ -24,6 +24,7 @@ import numpy as np
 
 from arvdm.evaluation.compare import compare_rollouts
 from arvdm.evaluation.probes import paired_difference
+from arvdm.evaluation.seeds import over_seeds
 from arvdm.experiments.cells import GridError
 from arvdm.experiments.labels import pool_seeds
 
@@ -36,7 +37,8 @@ PAIRED_COLUMNS = ("a", "b", "difference", "lo", "hi", "probes", "events", "a_psn
 #: The spans of generated frames (0-based, end exclusive) paired beside the probes: column prefix -> (start, end).
 SPAN_COLUMNS = {"first4": (0, 4), "f17_64": (16, 64)}
 #: The columns of the pooled pairs (one row per pair of configurations).
-POOLED_PAIR_COLUMNS = ("config", "seeds", "difference", "difference_by_seed", "intervals_above_0",
+POOLED_PAIR_COLUMNS = ("config", "seeds", "difference", "difference_lo", "difference_hi", "difference_by_seed",
+                       "intervals_above_0",
                        "intervals_below_0", "first4_diff", "f17_64_diff", "f17_64_diff_by_seed")
 #: What the paired table's columns mean (its header in results.md).
 PAIRED_NOTE = (
@@ -118,11 +120,14 @@ def paired_rows(pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], n_
 
 
 def pool_pairs(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One row per pair of configurations (seeds pooled): the mean difference over seeds, each seed's, and in how
-    many seeds the interval lies above / below 0."""
+    """One row per pair of configurations (seeds pooled): the mean difference over seeds with its 95% Student-t
+    interval over seeds (``arvdm.evaluation.seeds.over_seeds``, floored at the seeds' own standard errors; blank
+    for one seed), each seed's, and in how many seeds the interval lies above / below 0."""
     pooled = pool_seeds(table, ("difference", "first4_diff", "f17_64_diff"))
     for row in pooled:
         members = [r for r in table if r.get("config") == row["config"]]
+        over = over_seeds([r["difference"] for r in members], [(r["hi"] - r["lo"]) / 3.92 for r in members])
+        row["difference_lo"], row["difference_hi"] = over["lo"], over["hi"]
         row["intervals_above_0"] = f"{sum(r['lo'] > 0 for r in members)} of {len(members)}"
         row["intervals_below_0"] = f"{sum(r['hi'] < 0 for r in members)} of {len(members)}"
     return pooled
