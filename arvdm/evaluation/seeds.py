@@ -35,6 +35,7 @@ import numpy as np
 
 from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.compare import DEFAULT_SPANS, RolloutFileError, compare_rollouts
+from arvdm.evaluation.plots import new_figure, save_png
 from arvdm.evaluation.probes import format_interval
 from data.atomic import atomic_write_json
 
@@ -152,8 +153,6 @@ def format_seeds(result: dict[str, Any]) -> str:
 def plot_seeds(result: dict[str, Any], path: str | Path) -> None:
     """Each span's per-seed figures as dots and their mean over seeds with its interval: A − B when B was given,
     else A − context mean."""
-    from arvdm.evaluation.plots import new_figure, save_png
-
     key, label = ("a_minus_b", "A - B") if result["b"] else ("a_minus_context_mean", "A - context mean")
     fig = new_figure()
     ax = fig.add_subplot(1, 1, 1)
