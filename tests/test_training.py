@@ -343,3 +343,21 @@ def test_the_trainer_passes_copy_gate_detach_on(tmp_path, data, monkeypatch):
                        "train.sample_every=0")
         Trainer(cfg, tmp_path / f"run{detach}", device="cpu").fit()
     assert calls == [False, True]
+
+
+def test_ema_decay_takes_effect_only_after_its_warm_up():
+    """EMA.update's decay is min(decay, (1+t)/(10+t)): before step (10d - 1)/(1 - d) (1,790 for 0.995) every decay
+    d above the warm-up gives the same average (the main job's 0.995 and 0.998 agree bit for bit at 1,050 steps)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    emas = {d: EMA(model, d) for d in (0.995, 0.999, 0.5)}
+    for step in range(1, 40):
+        with torch.no_grad():
+            model.weight.add_(torch.randn_like(model.weight))
+        for e in emas.values():
+            e.update(model, step)
+    assert torch.equal(emas[0.995].model.weight, emas[0.999].model.weight)
+    assert not torch.allclose(emas[0.5].model.weight, emas[0.995].model.weight)  # 0.5 caps it from step 9
+    for e in emas.values():  # past step 1,790 0.995 caps the decay, 0.999 does not yet
+        e.update(model, 2000)
+    assert not torch.equal(emas[0.995].model.weight, emas[0.999].model.weight)
