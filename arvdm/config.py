@@ -272,6 +272,9 @@ class TrainConfig:
     loss_weight: str = "min_snr"  # uniform | min_snr: per-level weight of the v-MSE (PerFrameDiffusion.loss_weight)
     min_snr_gamma: float = 5.0
     ema_decay: float = 0.999
+    # c in the EMA's warm-up min(ema_decay, (1+t)/(c+t)): until the decay caps it the EMA averages roughly the last
+    # t/(c-1) steps (10: t/9; smaller = a longer average). ema_decay is reached from step (c*d - 1)/(1 - d)
+    ema_warmup: float = 10.0
     log_every: int = 10
     val_every: int = 250
     val_batches: int = 4
@@ -306,6 +309,8 @@ class TrainConfig:
             _check(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "must be >= 1")
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
+        _check(math.isfinite(_number(self.ema_warmup)) and self.ema_warmup > 1.0, "train.ema_warmup", self.ema_warmup,
+               "must be a number > 1 (the c of the warm-up (1+t)/(c+t))")
         _check(self.loss_weight in ("uniform", "min_snr"), "train.loss_weight", self.loss_weight,
                "must be uniform or min_snr")
         _check(self.min_snr_gamma > 0, "train.min_snr_gamma", self.min_snr_gamma, "must be > 0")

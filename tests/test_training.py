@@ -361,3 +361,21 @@ def test_ema_decay_takes_effect_only_after_its_warm_up():
     for e in emas.values():  # past step 1,790 0.995 caps the decay, 0.999 does not yet
         e.update(model, 2000)
     assert not torch.equal(emas[0.995].model.weight, emas[0.999].model.weight)
+
+
+def test_ema_warmup_sets_the_length_of_the_average(tmp_path):
+    """train.ema_warmup c: the decay is min(ema_decay, (1+t)/(c+t)), a known value per step; c = 10 is the default
+    (bit for bit the formula before the key existed); c <= 1 is refused naming the key; the trainer passes it on."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    ema = EMA(model, 0.999, warmup=4.0)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update(model, 20)  # d = 21 / 24 = 0.875: the average moves 1/8 of the way
+    assert torch.allclose(ema.model.weight, torch.full((1, 2), 0.125))
+    assert EMA(model, 0.999).warmup == 10.0
+    with pytest.raises(ConfigError, match=r"train\.ema_warmup"):
+        apply_overrides(get_preset("tiny"), ["train.ema_warmup=1"]).validate()
+    cfg = tiny_cfg(write_episodes(tmp_path / "data"), "train.ema_warmup=4")
+    assert Trainer(cfg, tmp_path / "run", device="cpu").ema.warmup == 4.0

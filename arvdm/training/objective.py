@@ -3,7 +3,7 @@
     total, counted = diffusion_forcing_loss(model, diffusion, video, actions, m, K, generator)
     loss = total / counted.clamp(min=1)                  # mean v-MSE over the noisy window frames
     optimizer, lr_scheduler = make_optimizer(model, cfg.train)
-    ema = EMA(model, cfg.train.ema_decay); ema.update(model, step)
+    ema = EMA(model, cfg.train.ema_decay, cfg.train.ema_warmup); ema.update(model, step)
 
 Contract: `diffusion_forcing_loss` draws its levels, then its noise, from `generator` only (never the global
 RNG), so a run that restores the generator's state draws the same numbers again (exact resume). The two
@@ -238,17 +238,18 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig
 class EMA:
     """Exponential moving average of the weights, kept in fp32 whatever the training precision.
 
-    The decay warms up as min(decay, (1 + t) / (10 + t)): with a plain 0.999 a short run's EMA would
-    still be mostly the random initial weights, and the EMA is what the sample videos use.
+    The decay warms up as min(decay, (1 + t) / (warmup + t)): with a plain 0.999 a short run's EMA would
+    still be mostly the random initial weights, and the EMA is what the sample videos use. Until `decay` caps it
+    the EMA averages roughly the last t / (warmup - 1) steps (`train.ema_warmup`; 10 = diffusers' warm-up).
     """
 
-    def __init__(self, model: torch.nn.Module, decay: float):
-        self.decay = decay
+    def __init__(self, model: torch.nn.Module, decay: float, warmup: float = 10.0):
+        self.decay, self.warmup = decay, warmup
         self.model = copy.deepcopy(unwrap(model)).float().eval().requires_grad_(False)
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
-        d = min(self.decay, (1 + step) / (10 + step))
+        d = min(self.decay, (1 + step) / (self.warmup + step))
         src = unwrap(model)
         for e, p in zip(self.averages(), src.parameters()):  # under FSDP each rank its own slices of both
             _local(e).lerp_(_local(p.detach()).float(), 1.0 - d)

@@ -136,7 +136,7 @@ class ShardedEMA(EMA):
     def __init__(self, ema: EMA, sharded: torch.nn.Module):
         """`ema.model` holds the starting weights (the initial model's, or a checkpoint's EMA); they move into the
         shards and the full module's copy is freed."""
-        self.decay, self.model = ema.decay, ema.model
+        self.decay, self.warmup, self.model = ema.decay, ema.warmup, ema.model
         self.shards = [distribute_tensor(e.detach(), p.device_mesh, p.placements)
                        for e, p in zip(self.model.parameters(), sharded.parameters())]
         self._free()

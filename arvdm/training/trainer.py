@@ -153,7 +153,7 @@ class Trainer:
         if self.cfg.hybrid.active:  # fine-tune mode: the chosen layers train with streaming masks (arvdm.hybrid)
             apply_for_training(self.model, self.cfg, self.run_dir)  # records them in cfg.hybrid (saved with the run)
         self.diffusion = PerFrameDiffusion(self.cfg.diffusion)  # noise tables; moves them to the data's device
-        self.ema = EMA(self.model, self.cfg.train.ema_decay)
+        self.ema = EMA(self.model, self.cfg.train.ema_decay, self.cfg.train.ema_warmup)
 
     def _shard(self) -> None:
         """train.fsdp: the model (and the EMA's state) sharded over the ranks, in place (arvdm.training.sharding)."""
