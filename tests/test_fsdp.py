@@ -3,6 +3,7 @@ full and interchangeable with DDP's; a killed FSDP run resumes bit for bit."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import os
 import shutil
@@ -16,6 +17,10 @@ from safetensors.torch import load_file
 from test_training import POSE, ROLLOUT, TINY, tiny_cfg, write_episodes
 
 from arvdm.config import ConfigError
+from arvdm.model.checkpoint import latest_checkpoint, load_config
+from arvdm.model.denoiser import Denoiser
+from arvdm.training import sharding
+from arvdm.training.objective import EMA
 from arvdm.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,7 +145,6 @@ def test_fsdp_hybrid_fine_tune_follows_ddp(tmp_path):
         _torchrun(tmp_path, data, runs[fsdp], "--preset", "tiny_time",
                   *[a for s in sets + [f"train.fsdp={str(fsdp).lower()}"] for a in ("--set", s)])
     _assert_close_runs(runs[False], runs[True])
-    from arvdm.model.checkpoint import latest_checkpoint, load_config
     saved = load_config(latest_checkpoint(runs[True])).hybrid
     assert (saved.select, saved.layers, saved.fraction) == ("fixed", [1], 0.5)
 
@@ -148,12 +152,6 @@ def test_fsdp_hybrid_fine_tune_follows_ddp(tmp_path):
 def test_sharded_ema_holds_no_full_copy_between_reads(tmp_path):
     """ShardedEMA (one gloo rank here): the full EMA module has no weights outside `read()`, and inside it holds
     exactly what the plain EMA of the same updates holds."""
-    import copy
-
-    from arvdm.model.denoiser import Denoiser
-    from arvdm.training import sharding
-    from arvdm.training.objective import EMA
-
     torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1),
                                          rank=0, world_size=1)
     try:

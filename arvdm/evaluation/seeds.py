@@ -39,13 +39,18 @@ from arvdm.evaluation.plots import new_figure, save_png
 from arvdm.evaluation.probes import format_interval
 from data.atomic import atomic_write_json
 
-__all__ = ["T_975", "compare_seeds", "format_seeds", "main", "over_seeds", "plot_seeds"]
+__all__ = ["T_975", "compare_seeds", "format_seeds", "main", "over_seeds", "plot_seeds", "standard_error"]
 
 #: Student-t 0.975 quantiles by degrees of freedom (1-30); past 30 the normal's 1.96 is used.
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 #: The baselines each side is measured against: key in compare_rollouts' span rows -> name in the result.
 BASELINES = {"context_mean": "context mean", "copy_last": "copy-last"}
+
+
+def standard_error(interval: dict[str, Any]) -> float:
+    """The standard error behind a 95% interval ``{lo, hi}`` (its width over 2 x 1.96)."""
+    return (interval["hi"] - interval["lo"]) / 3.92
 
 
 def over_seeds(values: Sequence[float], standard_errors: Sequence[float] | None = None) -> dict[str, Any]:
@@ -103,9 +108,7 @@ def compare_seeds(a: Sequence[str | Path], b: Sequence[str | Path] | None = None
         if b is not None:
             row["gradient_ratio_b"] = [r["gradient_ratio_b"] for r in per_seed]
             intervals = [r["a_minus_b"] for r in per_seed]
-            # a 95% percentile interval spans about 2 x 1.96 standard errors
-            row["a_minus_b"] = {**over_seeds([d["mean"] for d in intervals], [(d["hi"] - d["lo"]) / 3.92
-                                                                              for d in intervals]),
+            row["a_minus_b"] = {**over_seeds([d["mean"] for d in intervals], [standard_error(d) for d in intervals]),
                                 "episode_intervals": intervals,
                                 "seeds_above_0": sum(d["lo"] > 0 for d in intervals),
                                 "seeds_below_0": sum(d["hi"] < 0 for d in intervals)}

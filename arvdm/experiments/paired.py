@@ -24,7 +24,7 @@ import numpy as np
 
 from arvdm.evaluation.compare import compare_rollouts
 from arvdm.evaluation.probes import paired_difference
-from arvdm.evaluation.seeds import over_seeds
+from arvdm.evaluation.seeds import over_seeds, standard_error
 from arvdm.experiments.cells import GridError
 from arvdm.experiments.labels import pool_seeds
 
@@ -126,7 +126,7 @@ def pool_pairs(table: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     pooled = pool_seeds(table, ("difference", "first4_diff", "f17_64_diff"))
     for row in pooled:
         members = [r for r in table if r.get("config") == row["config"]]
-        over = over_seeds([r["difference"] for r in members], [(r["hi"] - r["lo"]) / 3.92 for r in members])
+        over = over_seeds([r["difference"] for r in members], [standard_error(r) for r in members])
         row["difference_lo"], row["difference_hi"] = over["lo"], over["hi"]
         row["intervals_above_0"] = f"{sum(r['lo'] > 0 for r in members)} of {len(members)}"
         row["intervals_below_0"] = f"{sum(r['hi'] < 0 for r in members)} of {len(members)}"
