@@ -275,6 +275,10 @@ class TrainConfig:
     # c in the EMA's warm-up min(ema_decay, (1+t)/(c+t)): until the decay caps it the EMA averages roughly the last
     # t/(c-1) steps (10: t/9; smaller = a longer average). ema_decay is reached from step (c*d - 1)/(1 - d)
     ema_warmup: float = 10.0
+    # Post-hoc EMA (EDM2; arvdm.training.posthoc_ema): power-function EMAs of these lengths σ_rel (e.g. [0.05, 0.1]),
+    # written every ema_posthoc_every steps to RUN/ema_snapshots/; any length is rebuilt from them after training
+    ema_posthoc: list = field(default_factory=list)
+    ema_posthoc_every: int = 25
     log_every: int = 10
     val_every: int = 250
     val_batches: int = 4
@@ -311,6 +315,12 @@ class TrainConfig:
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
         _check(math.isfinite(_number(self.ema_warmup)) and self.ema_warmup > 1.0, "train.ema_warmup", self.ema_warmup,
                "must be a number > 1 (the c of the warm-up (1+t)/(c+t))")
+        _check(isinstance(self.ema_posthoc, list) and all(0 < _number(x) <= 0.28 for x in self.ema_posthoc),
+               "train.ema_posthoc", self.ema_posthoc, "must be a list of lengths sigma_rel in (0, 0.28]")
+        _check(type(self.ema_posthoc_every) is int and self.ema_posthoc_every >= 1 and (
+            not self.ema_posthoc or self.ckpt_every % self.ema_posthoc_every == 0), "train.ema_posthoc_every",
+            self.ema_posthoc_every, f"must be an integer >= 1 dividing train.ckpt_every={self.ckpt_every} (a resume "
+            "takes the power EMAs from the snapshots at the checkpoint's step)")
         _check(self.loss_weight in ("uniform", "min_snr"), "train.loss_weight", self.loss_weight,
                "must be uniform or min_snr")
         _check(self.min_snr_gamma > 0, "train.min_snr_gamma", self.min_snr_gamma, "must be > 0")

@@ -247,9 +247,13 @@ class EMA:
         self.decay, self.warmup = decay, warmup
         self.model = copy.deepcopy(unwrap(model)).float().eval().requires_grad_(False)
 
+    def decay_at(self, step: int) -> float:
+        """The decay of the update after optimizer step `step` (1, 2, ...)."""
+        return min(self.decay, (1 + step) / (self.warmup + step))
+
     @torch.no_grad()
     def update(self, model: torch.nn.Module, step: int) -> None:
-        d = min(self.decay, (1 + step) / (self.warmup + step))
+        d = self.decay_at(step)
         src = unwrap(model)
         for e, p in zip(self.averages(), src.parameters()):  # under FSDP each rank its own slices of both
             _local(e).lerp_(_local(p.detach()).float(), 1.0 - d)

@@ -137,6 +137,7 @@ class ShardedEMA(EMA):
         """`ema.model` holds the starting weights (the initial model's, or a checkpoint's EMA); they move into the
         shards and the full module's copy is freed."""
         self.decay, self.warmup, self.model = ema.decay, ema.warmup, ema.model
+        self.decay_at = ema.decay_at  # the wrapped EMA's rule (the warm-up, or a power EMA's profile)
         self.shards = [distribute_tensor(e.detach(), p.device_mesh, p.placements)
                        for e, p in zip(self.model.parameters(), sharded.parameters())]
         self._free()

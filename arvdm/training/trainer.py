@@ -5,21 +5,19 @@
     train(get_preset("tiny"), "runs/tiny")                  # fresh run
     train(get_preset("tiny"), "runs/tiny", resume=True)     # continue from the newest checkpoint
 
-What one step does (Diffusion Forcing, with the paper's memory): a clip holds m = memory.length
-clean memory frames followed by w = train.window window frames; every window frame gets its own
-noise level k ~ U{0..K}; the denoiser sees the noisy window and the clean memory and predicts v;
-the loss is the MSE to the true v over the window frames (arvdm.training.objective).
+What one step does (Diffusion Forcing, with the paper's memory): a clip holds m = memory.length memory frames
+and w = train.window window frames; every window frame gets its own noise level k ~ U{0..K}; the denoiser sees
+the noisy window and the memory and predicts v; the loss is the MSE to the true v (arvdm.training.objective).
 
-Exact resume: everything random comes from state that a checkpoint holds. The data order is a seeded
-stream of dataset indices (arvdm.training.loader.ResumableSampler) and the checkpoint stores how far into
-it the run got; noise and levels come from a dedicated torch.Generator whose state is saved; model, EMA,
-optimizer, lr schedule and step are saved. A run killed after a checkpoint and resumed reaches
-bit-identical weights to an unbroken one (fp32 on a CPU; tests/test_training.py).
+Exact resume: everything random comes from state that a checkpoint holds. The data order is a seeded stream of
+dataset indices (arvdm.training.loader.ResumableSampler) and the checkpoint stores how far into it the run got;
+noise and levels come from a dedicated torch.Generator whose state is saved; model, EMA, optimizer, lr schedule
+and step are saved (train.ema_posthoc's power EMAs: their snapshots). A run killed after a checkpoint and resumed
+reaches bit-identical weights to an unbroken one (fp32 on a CPU; tests/test_training.py).
 
-Under torchrun every rank takes its own slice of each global batch (batch_size samples per rank),
-DDP averages the gradients so the ranks' weights stay identical, and only rank 0 writes logs, sample
-videos and checkpoints (behind barriers). With `train.fsdp` the ranks shard the model instead of holding
-replicas (arvdm.training.sharding); the arithmetic and the checkpoints are the same.
+Under torchrun every rank takes its own slice of each global batch (batch_size samples per rank), DDP averages
+the gradients so the ranks' weights stay identical, and only rank 0 writes logs, sample videos and checkpoints
+(behind barriers). `train.fsdp` shards the model instead (arvdm.training.sharding): same arithmetic, checkpoints.
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ from arvdm.config import Config, ConfigError
 from arvdm.hybrid.convert import apply_for_training
 from arvdm.model.checkpoint import (
     CheckpointError,
+    checkpoint_step,
     latest_checkpoint,
     load_config,
     load_training_state,
@@ -75,6 +74,7 @@ from arvdm.training.loader import (
 )
 from arvdm.training.log import LossMeter, RunLogger
 from arvdm.training.objective import EMA, diffusion_forcing_loss, make_optimizer, rollout_context
+from arvdm.training.posthoc_ema import PostHocEMA
 from arvdm.training.sample_video import SampleVideo
 from memory.select import recent_frames
 
@@ -154,6 +154,7 @@ class Trainer:
             apply_for_training(self.model, self.cfg, self.run_dir)  # records them in cfg.hybrid (saved with the run)
         self.diffusion = PerFrameDiffusion(self.cfg.diffusion)  # noise tables; moves them to the data's device
         self.ema = EMA(self.model, self.cfg.train.ema_decay, self.cfg.train.ema_warmup)
+        self.posthoc = PostHocEMA(self.model, self.cfg.train.ema_posthoc, self.cfg.train.ema_posthoc_every)
 
     def _shard(self) -> None:
         """train.fsdp: the model (and the EMA's state) sharded over the ranks, in place (arvdm.training.sharding)."""
@@ -162,6 +163,7 @@ class Trainer:
                               "torchrun --nproc_per_node N (on a CPU, train.py with train.cpu_ranks >= 2)")
         sharding.shard_model(self.model, self.device, self.dist.world_size)
         self.ema = sharding.ShardedEMA(self.ema, self.model)
+        self.posthoc.shard(self.model)
 
     def _wrap_for_training(self) -> None:
         """`self.net`: the model compiled and/or wrapped in DDP; `self.autocast`: bf16 where native, when asked."""
@@ -241,6 +243,7 @@ class Trainer:
         self.lr_scheduler.step()
         self.step += 1
         self.ema.update(self.model, self.step)
+        self.posthoc.update(self.model, self.step)
         return loss.detach(), gnorm.detach()
 
     def _rollout_context(self, model: torch.nn.Module, video: torch.Tensor, actions: torch.Tensor,
@@ -304,6 +307,8 @@ class Trainer:
                 log.write(self.step, self.elapsed, row)
             if tc.sample_every > 0 and (_due(self.step, tc.sample_every) or last):
                 self.write_sample()
+            if self.posthoc.due(self.step, last):  # before the checkpoint: a resume reads the snapshot at its step
+                self.posthoc.save(self.run_dir, self.step, main)
             if _due(self.step, tc.ckpt_every) or last:
                 last_ckpt = self.save()
             bar.update(1)
@@ -409,6 +414,7 @@ class Trainer:
         """The checkpoint's weights and EMA, into the full modules (before FSDP shards them)."""
         load_weights(self.model, ckpt / "model.safetensors")
         load_weights(self.ema.model, ckpt / "ema.safetensors", what="EMA weights")
+        self.posthoc.load(self.run_dir, checkpoint_step(ckpt))
 
     def _load(self, ckpt: Path) -> None:
         """Everything else a resume needs: optimizer, lr schedule, step, data position, generators."""

@@ -1,0 +1,243 @@
+"""Post-hoc EMA (EDM2: Karras et al. 2024, *Analyzing and Improving the Training Dynamics of Diffusion Models*,
+Sec. 3): choose the EMA's length after training instead of before it.
+
+Training keeps one power-function EMA per `train.ema_posthoc` value and writes each of them every
+`train.ema_posthoc_every` steps (and at the last step) to ``RUN/ema_snapshots/``. A power-function EMA of exponent
+γ averages the weights θ(τ) of steps τ ∈ [0, t] with the profile p(τ) ∝ τ^γ; its length is given as σ_rel, the
+profile's standard deviation over t:
+
+    σ_rel = (γ + 1)^½ (γ + 2)^-1 (γ + 3)^-½            (σ_rel 0.05 ↔ γ 16.97, 0.10 ↔ γ 6.94)
+
+and one update after step t is θ̂ ← β θ̂ + (1 − β) θ with β = (1 − 1/t)^(γ+1). Every snapshot is a known profile,
+so the EMA of any other (σ_rel, step) is, up to the fit's residual, a linear combination of the snapshots: the
+coefficients solve the least-squares problem A x = b in the profiles' L2 inner product (`profile_inner`), and
+the weights are Σ x_i θ̂_i. Two snapshot lengths (EDM2 uses 0.05 and 0.10) reconstruct σ_rel from about 0.03 to
+0.2; `posthoc.json` records the fit's relative residual.
+
+    python train.py --out runs/ph --set train.ema_posthoc=[0.05,0.1] --set train.ema_posthoc_every=50
+    python -m arvdm.training.posthoc_ema runs/ph --sigma-rel 0.08 --out runs/ph_ema008   # a checkpoint folder
+    python sample.py --run runs/ph_ema008 --frames 120 --eval
+
+The main job's own EMA (`train.ema_decay`, warm-up c = 10) averages about the last t/9 steps, σ_rel ≈ 0.11.
+The snapshots cost 4 bytes per parameter each (the tiny model: 5.5 MB); the running EMAs one fp32 copy each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from arvdm.errors import USER_ERRORS, ArvdmError
+from arvdm.model.checkpoint import (
+    CheckpointError,
+    atomic_write,
+    checkpoint_dir,
+    checkpoint_step,
+    list_checkpoints,
+    load_weights,
+    resolve_checkpoint,
+    state_dict_for_safetensors,
+    write_folder_atomically,
+)
+from arvdm.training.objective import EMA
+from arvdm.training.sharding import ShardedEMA
+
+SNAPSHOT_DIRNAME = "ema_snapshots"
+SIGMA_REL_MAX = 0.28  # σ_rel(γ = 0) = 0.2887, the flat profile; longer ones need γ < 0, a profile peaked at step 0
+_SNAPSHOT_RE = re.compile(r"^step_(\d+)\.safetensors$")
+
+
+def sigma_rel_of(gamma: float) -> float:
+    """σ_rel of the power profile τ^γ on [0, t] (its standard deviation over t)."""
+    return math.sqrt(gamma + 1) / ((gamma + 2) * math.sqrt(gamma + 3))
+
+
+def gamma_of(sigma_rel: float) -> float:
+    """The exponent γ ≥ 0 whose profile has this σ_rel (σ_rel falls monotonically on γ ≥ 0): bisection."""
+    if not (isinstance(sigma_rel, (int, float)) and 0 < sigma_rel <= SIGMA_REL_MAX):
+        raise ArvdmError(f"sigma_rel {sigma_rel!r} must be a number in (0, {SIGMA_REL_MAX}]")
+    lo, hi = 0.0, 1e9
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if sigma_rel_of(mid) > sigma_rel else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def profile_inner(t_a: np.ndarray, g_a: np.ndarray, t_b: np.ndarray, g_b: np.ndarray) -> np.ndarray:
+    """∫ p_a(τ) p_b(τ) dτ for normalised power profiles p(τ) = (γ+1) τ^γ / t^(γ+1) on [0, t] (broadcasting):
+    (γa+1)(γb+1) min(ta,tb)^(γa+γb+1) / ((γa+γb+1) ta^(γa+1) tb^(γb+1)). Give t's in a common unit near 1."""
+    m = np.minimum(t_a, t_b)
+    return (g_a + 1) * (g_b + 1) * m ** (g_a + g_b + 1) / ((g_a + g_b + 1) * t_a ** (g_a + 1) * t_b ** (g_b + 1))
+
+
+def solve_coefficients(steps: np.ndarray, gammas: np.ndarray, step: int, gamma: float) -> tuple[np.ndarray, float]:
+    """Coefficients x (one per snapshot (steps[i], gammas[i])) whose combination of the snapshot profiles is
+    nearest the target profile (step, gamma), and the fit's relative L2 residual |Σ x_i p_i − p| / |p|."""
+    scale = float(step)  # the inner products scale together with t: x does not, and τ^γ stays in range
+    t, g = np.asarray(steps, np.float64) / scale, np.asarray(gammas, np.float64)
+    a = profile_inner(t[:, None], g[:, None], t[None, :], g[None, :])  # (n, n)
+    b = profile_inner(t, g, np.float64(1.0), np.float64(gamma))  # (n,)
+    x = np.linalg.lstsq(a, b, rcond=None)[0]
+    pp = profile_inner(np.float64(1.0), np.float64(gamma), np.float64(1.0), np.float64(gamma))
+    err2 = max(float(pp - 2 * x @ b + x @ a @ x), 0.0)
+    return x, math.sqrt(err2 / pp)
+
+
+class PowerEMA(EMA):
+    """EDM2's power-function EMA of exponent γ (from `sigma_rel`): β(t) = (1 − 1/t)^(γ+1) after step t."""
+
+    def __init__(self, model: torch.nn.Module, sigma_rel: float):
+        super().__init__(model, decay=0.0)
+        self.sigma_rel, self.gamma = float(sigma_rel), gamma_of(sigma_rel)
+
+    def decay_at(self, step: int) -> float:
+        return (1.0 - 1.0 / step) ** (self.gamma + 1)
+
+
+class PostHocEMA:
+    """The running power EMAs of one training run and their snapshots (train.ema_posthoc, _every); with no σ_rel
+    given every method does nothing, so the trainer calls them unconditionally."""
+
+    def __init__(self, model: torch.nn.Module, sigma_rels: list[float], every: int):
+        self.emas: list[EMA] = [PowerEMA(model, s) for s in sigma_rels]
+        self.every = every
+
+    def update(self, model: torch.nn.Module, step: int) -> None:
+        for ema in self.emas:
+            ema.update(model, step)
+
+    def shard(self, sharded: torch.nn.Module) -> None:
+        """train.fsdp: each power EMA sharded like the model (`ShardedEMA`, which keeps this EMA's β(t))."""
+        self.emas = [ShardedEMA(e, sharded) for e in self.emas]
+
+    def due(self, step: int, last: bool) -> bool:
+        return bool(self.emas) and (step % self.every == 0 or last)
+
+    def save(self, run_dir: str | Path, step: int, is_main: bool) -> None:
+        """Write every power EMA at `step` (every rank calls: a read is a collective under FSDP; rank 0 writes,
+        each file atomically)."""
+        for ema in self.emas:
+            with ema.read() as model:
+                if is_main:
+                    path = snapshot_path(run_dir, ema.sigma_rel, step)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    meta = {"sigma_rel": repr(ema.sigma_rel), "gamma": repr(ema.gamma), "step": str(step)}
+                    weights = state_dict_for_safetensors(model)
+                    atomic_write(path, lambda p, w=weights, m=meta: save_file(w, str(p), metadata=m))
+
+    def load(self, run_dir: str | Path, step: int) -> None:
+        """A resume: each power EMA from its snapshot at the checkpoint's step (before any sharding)."""
+        for ema in self.emas:
+            path = snapshot_path(run_dir, ema.sigma_rel, step)
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing: resuming with train.ema_posthoc needs each power EMA's "
+                                      f"snapshot at the checkpoint's step {step}")
+            load_weights(ema.model, path, what="power-EMA snapshot")
+
+
+def snapshot_path(run_dir: str | Path, sigma_rel: float, step: int) -> Path:
+    return Path(run_dir) / SNAPSHOT_DIRNAME / f"sigma_rel_{sigma_rel:.4f}" / f"step_{step:07d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    path: Path
+    sigma_rel: float
+    gamma: float
+    step: int
+
+
+def list_snapshots(run_dir: str | Path) -> list[Snapshot]:
+    """Every complete snapshot of a run (their metadata, not their names, say what they are), by step."""
+    found = []
+    for path in sorted((Path(run_dir) / SNAPSHOT_DIRNAME).glob("sigma_rel_*/step_*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+            found.append(Snapshot(path, float(meta["sigma_rel"]), float(meta["gamma"]), int(meta["step"])))
+        except Exception as err:  # a truncated or foreign file: name it rather than reconstruct from it
+            raise CheckpointError(f"{path}: not a readable power-EMA snapshot ({type(err).__name__}: {err})") from err
+    return sorted(found, key=lambda s: (s.step, s.sigma_rel))
+
+
+def reconstruct(run_dir: str | Path, sigma_rel: float, step: int | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict]:
+    """The EMA of length `sigma_rel` at `step` (default: the newest snapshot's) from the run's snapshots at or
+    before it: (state dict, fp32; info for posthoc.json: coefficients, residual, snapshots used)."""
+    gamma = gamma_of(sigma_rel)
+    snaps = list_snapshots(run_dir)
+    if not snaps:
+        raise CheckpointError(f"{run_dir} has no power-EMA snapshots in {SNAPSHOT_DIRNAME}/ (train it with "
+                              f"--set train.ema_posthoc=[0.05,0.1] --set train.ema_posthoc_every=N)")
+    step = snaps[-1].step if step is None else step
+    used = [s for s in snaps if s.step <= step]
+    if not any(s.step == step for s in used):
+        raise CheckpointError(f"{run_dir}: no snapshot at step {step} (snapshot steps: "
+                              f"{sorted({s.step for s in snaps})})")
+    x, residual = solve_coefficients(np.array([s.step for s in used]), np.array([s.gamma for s in used]),
+                                     step, gamma)
+    out: dict[str, torch.Tensor] = {}
+    for coef, snap in zip(x, used):
+        with safe_open(str(snap.path), "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key).double() * float(coef)
+                out[key] = t if key not in out else out[key] + t
+    info = {"sigma_rel": sigma_rel, "gamma": gamma, "step": step, "relative_residual": residual,
+            "snapshots": [{"file": str(s.path), "sigma_rel": s.sigma_rel, "step": s.step, "coefficient": float(c)}
+                          for s, c in zip(used, x)]}
+    return {k: v.float() for k, v in out.items()}, info
+
+
+def write_checkpoint(run_dir: str | Path, sigma_rel: float, out: str | Path, step: int | None = None) -> dict:
+    """A checkpoint folder `out` for sample.py (`--run OUT`): the run's checkpoint at `step` (config, raw weights)
+    with its EMA replaced by the reconstruction, and posthoc.json; written atomically. Returns the info."""
+    weights, info = reconstruct(run_dir, sigma_rel, step)
+    ckpts = {checkpoint_step(c): c for c in list_checkpoints(run_dir)}
+    if info["step"] not in ckpts:
+        raise CheckpointError(f"{run_dir}: no checkpoint at step {info['step']} to take the config and raw weights "
+                              f"from (checkpoints: {sorted(ckpts)}); pass --step one of those")
+    src = resolve_checkpoint(checkpoint_dir(run_dir, info["step"]))
+
+    def fill(folder: Path) -> None:
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy2(src / name, folder / name)
+        save_file(weights, str(folder / "ema.safetensors"))
+        (folder / "posthoc.json").write_text(json.dumps({**info, "from_checkpoint": str(src)}, indent=1))
+
+    write_folder_atomically(out, fill)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m arvdm.training.posthoc_ema", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run folder trained with train.ema_posthoc")
+    p.add_argument("--sigma-rel", type=float, required=True, help=f"the EMA length to build, in (0, {SIGMA_REL_MAX}]")
+    p.add_argument("--step", type=int, default=None, help="the training step (default: the newest snapshot's)")
+    p.add_argument("--out", required=True, help="the checkpoint folder to write (sample.py --run OUT)")
+    args = p.parse_args(argv)
+    try:
+        if Path(args.out).exists():
+            raise ArvdmError(f"--out {args.out} exists; choose a new folder")
+        info = write_checkpoint(args.run, args.sigma_rel, args.out, args.step)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: EMA σ_rel {info['sigma_rel']} (γ {info['gamma']:.2f}) at step {info['step']} from "
+          f"{len(info['snapshots'])} snapshots, relative profile residual {info['relative_residual']:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
