@@ -65,6 +65,21 @@ def test_a_minus_b_is_the_known_difference_by_span_and_on_revisits(tmp_path):
         pytest.approx(-known, abs=1e-4)
 
 
+def test_without_b_a_and_its_baselines_come_alone(tmp_path):
+    """compare_rollouts(a, None): A's spans, baselines and sharpness as a comparison with any B gives them, and
+    nothing of a B (no bootstrap of A − A, no revisit probes)."""
+    real = real_video()
+    write_rollout(tmp_path / "a", real, 10)
+    write_rollout(tmp_path / "b", real, 20)
+    alone, pair = compare_rollouts(tmp_path / "a", None, n_boot=200), compare_rollouts(tmp_path / "a", tmp_path / "b",
+                                                                                       n_boot=200)
+    assert alone["b"] is None and alone["revisits"] is None and pair["revisits"] is not None
+    for x, y in zip(alone["spans"], pair["spans"]):
+        assert x["a_minus_b"] is None and "b" not in x and "gradient_ratio_b" not in x
+        assert {k: x[k] for k in x if k != "a_minus_b"} == {k: y[k] for k in x if k != "a_minus_b"}
+    assert alone["spans"][0]["a"] == pytest.approx(20 * math.log10(255 / 10), abs=1e-4)  # a known value
+
+
 def test_revisits_split_by_whether_a_context_frame_shows_the_view(tmp_path):
     """Returns to generated frame 8 (4 per episode, 12 events) and one return per episode to context frame 1 (3
     events, too few to read): each part is paired on its own probes."""

@@ -103,10 +103,11 @@ def _interval(d: dict[str, Any]) -> dict[str, float]:
     return {"mean": d["mean"], "lo": d["lo"], "hi": d["hi"]}
 
 
-def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, int, int]] = DEFAULT_SPANS,
+def compare_rollouts(a: str | Path, b: str | Path | None, spans: Sequence[tuple[str, int, int]] = DEFAULT_SPANS,
                      recent: int = 6, n_boot: int = 2000, seed: int = 0, revisits: bool = True) -> dict[str, Any]:
     """A − B by span and on the revisit probes (module docstring); RolloutFileError when they are not comparable.
-    ``revisits=False`` leaves the probes out (``"revisits": None``).
+    ``revisits=False`` leaves the probes out (``"revisits": None``). ``b=None``: A and its baselines alone (no
+    ``"b"``, ``"gradient_ratio_b"`` or revisits; ``"a_minus_b"`` None), as the seeds CLI without ``--b`` reads them.
 
     Returns ``{"a", "b", "episodes", "context", "generated", "spans": [{"span", "start", "end", "a", "b",
     "copy_last", "context_mean", "a_minus_b": {mean, lo, hi}, "gradient_ratio_a", "gradient_ratio_b"}],
@@ -115,7 +116,7 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
     "too_few": True}}``.
     """
     real_a, fake_a, ctx_a = load_rollout(a)
-    real_b, fake_b, ctx_b = load_rollout(b)
+    real_b, fake_b, ctx_b = (real_a, None, ctx_a) if b is None else load_rollout(b)
     if real_a.shape != real_b.shape or ctx_a != ctx_b or not torch.equal(real_a, real_b):
         raise RolloutFileError(f"{a} and {b} do not roll out the same ground truth (shapes {tuple(real_a.shape)} / "
                                f"{tuple(real_b.shape)}, context {ctx_a} / {ctx_b}): compare rollouts of the same "
@@ -127,8 +128,9 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
         return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP).double().numpy()
 
     grad_real = spatial_gradient_per_frame(truth)  # (B, n) sharpness of the truth, the ratios' denominator
-    grad = {k: spatial_gradient_per_frame(f[:, context:]) for k, f in (("a", fake_a), ("b", fake_b))}  # (B, n) each
-    curves = {"a": psnr(fake_a[:, context:]), "b": psnr(fake_b[:, context:]),
+    fakes = {"a": fake_a} if fake_b is None else {"a": fake_a, "b": fake_b}
+    grad = {k: spatial_gradient_per_frame(f[:, context:]) for k, f in fakes.items()}  # (B, n) each
+    curves = {**{k: psnr(f[:, context:]) for k, f in fakes.items()},
               "copy_last": psnr(baseline_frames(real_a, context, n, "copy_last")),
               "context_mean": psnr(baseline_frames(real_a, context, n, "context_mean"))}
     rows = []
@@ -138,13 +140,15 @@ def compare_rollouts(a: str | Path, b: str | Path, spans: Sequence[tuple[str, in
         hi = min(hi, n)
         part = {k: v[:, lo:hi] for k, v in curves.items()}  # (B, frames) each
         episodes = np.repeat(np.arange(part["a"].shape[0]), hi - lo)
-        diff = paired_difference(part["a"].reshape(-1), part["b"].reshape(-1), episodes, n_boot=n_boot, seed=seed)
+        diff = None if b is None else _interval(
+            paired_difference(part["a"].reshape(-1), part["b"].reshape(-1), episodes, n_boot=n_boot, seed=seed))
         sharp = {f"gradient_ratio_{k}": summed_gradient_ratio(g, grad_real, lo, hi) for k, g in grad.items()}
         rows.append({"span": name, "start": lo, "end": hi, **{k: float(v.mean()) for k, v in part.items()},
-                     "a_minus_b": _interval(diff), **sharp})
-    return {"a": str(a), "b": str(b), "episodes": int(real_a.shape[0]), "context": context, "generated": n,
-            "spans": rows, "revisits": _paired_revisits(real_a, fake_a, fake_b, context, recent, n_boot, seed)
-            if revisits else None}
+                     "a_minus_b": diff, **sharp})
+    return {"a": str(a), "b": None if b is None else str(b), "episodes": int(real_a.shape[0]), "context": context,
+            "generated": n, "spans": rows,
+            "revisits": _paired_revisits(real_a, fake_a, fake_b, context, recent, n_boot, seed)
+            if revisits and b is not None else None}
 
 
 def _paired_revisits(real: Tensor, fake_a: Tensor, fake_b: Tensor, context: int, recent: int, n_boot: int,

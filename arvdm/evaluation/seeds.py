@@ -93,9 +93,8 @@ def compare_seeds(a: Sequence[str | Path], b: Sequence[str | Path] | None = None
         raise ValueError("compare_seeds: no rollouts given")
     if b is not None and len(b) != len(a):
         raise ValueError(f"compare_seeds: {len(a)} A folders but {len(b)} B folders (one pair per training seed)")
-    # without B each A is compared with itself: the spans and baselines come out the same, A - B is 0 and unused
-    pairs = [compare_rollouts(x, y, spans, recent=recent, n_boot=n_boot, revisits=revisits and b is not None)
-             for x, y in zip(a, b if b is not None else a)]
+    pairs = [compare_rollouts(x, y, spans, recent=recent, n_boot=n_boot, revisits=revisits)  # y None: A alone
+             for x, y in zip(a, b if b is not None else [None] * len(a))]
     names = [s["span"] for s in pairs[0]["spans"] if all(s["span"] in [r["span"] for r in p["spans"]] for p in pairs)]
     rows = []
     for name in names:
