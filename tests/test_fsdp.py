@@ -21,6 +21,7 @@ from arvdm.model.checkpoint import latest_checkpoint, load_config
 from arvdm.model.denoiser import Denoiser
 from arvdm.training import sharding
 from arvdm.training.objective import EMA
+from arvdm.training.posthoc_ema import PostHocEMA, snapshot_path
 from arvdm.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,6 +160,7 @@ def test_sharded_ema_holds_no_full_copy_between_reads(tmp_path):
         model = Denoiser(tiny_cfg(write_episodes(tmp_path / "data")))
         sharded = copy.deepcopy(model)
         plain, ema = EMA(model, 0.9), EMA(sharded, 0.9)
+        plain_ph, sharded_ph = PostHocEMA(model, [0.1], 1), PostHocEMA(sharded, [0.1], 1)  # as the trainer: before
         sharding.shard_model(sharded, torch.device("cpu"), 1)
         ema = sharding.ShardedEMA(ema, sharded)
         assert all(p.numel() == 0 for p in ema.model.parameters())
@@ -177,5 +179,19 @@ def test_sharded_ema_holds_no_full_copy_between_reads(tmp_path):
         with pytest.raises(RuntimeError), ema.read():  # a failed read frees it too
             raise RuntimeError("boom")
         assert all(p.numel() == 0 for p in ema.model.parameters())
+        # post-hoc EMA (train.ema_posthoc): sharded power EMAs keep their own β(t) and write the plain one's snapshots
+        sharded_ph.shard(sharded)
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), sharded.parameters()):
+                    p.add_(0.5)
+                    q.add_(0.5)
+            plain_ph.update(model, step)
+            sharded_ph.update(sharded, step)
+        plain_ph.save(tmp_path / "plain", 3, is_main=True)
+        sharded_ph.save(tmp_path / "sharded", 3, is_main=True)
+        a, b = (load_file(str(snapshot_path(tmp_path / r, 0.1, 3))) for r in ("plain", "sharded"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert all(p.numel() == 0 for p in sharded_ph.emas[0].model.parameters())
     finally:
         torch.distributed.destroy_process_group()

@@ -110,8 +110,8 @@ class PostHocEMA:
     given every method does nothing, so the trainer calls them unconditionally."""
 
     def __init__(self, model: torch.nn.Module, sigma_rels: list[float], every: int):
-        self.emas: list[EMA] = [PowerEMA(model, s) for s in sigma_rels]
-        self.every = every
+        self.emas: list[EMA] = [PowerEMA(model, s) for s in sigma_rels]  # ShardedEMAs once `shard` has run
+        self.sigma_rels, self.every = [float(s) for s in sigma_rels], every
 
     def update(self, model: torch.nn.Module, step: int) -> None:
         for ema in self.emas:
@@ -127,19 +127,19 @@ class PostHocEMA:
     def save(self, run_dir: str | Path, step: int, is_main: bool) -> None:
         """Write every power EMA at `step` (every rank calls: a read is a collective under FSDP; rank 0 writes,
         each file atomically)."""
-        for ema in self.emas:
+        for ema, sigma_rel in zip(self.emas, self.sigma_rels):
             with ema.read() as model:
                 if is_main:
-                    path = snapshot_path(run_dir, ema.sigma_rel, step)
+                    path = snapshot_path(run_dir, sigma_rel, step)
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    meta = {"sigma_rel": repr(ema.sigma_rel), "gamma": repr(ema.gamma), "step": str(step)}
+                    meta = {"sigma_rel": repr(sigma_rel), "gamma": repr(gamma_of(sigma_rel)), "step": str(step)}
                     weights = state_dict_for_safetensors(model)
                     atomic_write(path, lambda p, w=weights, m=meta: save_file(w, str(p), metadata=m))
 
     def load(self, run_dir: str | Path, step: int) -> None:
         """A resume: each power EMA from its snapshot at the checkpoint's step (before any sharding)."""
-        for ema in self.emas:
-            path = snapshot_path(run_dir, ema.sigma_rel, step)
+        for ema, sigma_rel in zip(self.emas, self.sigma_rels):
+            path = snapshot_path(run_dir, sigma_rel, step)
             if not path.is_file():
                 raise CheckpointError(f"{path} is missing: resuming with train.ema_posthoc needs each power EMA's "
                                       f"snapshot at the checkpoint's step {step}")
