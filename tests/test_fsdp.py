@@ -21,7 +21,7 @@ from arvdm.model.checkpoint import latest_checkpoint, load_config
 from arvdm.model.denoiser import Denoiser
 from arvdm.training import sharding
 from arvdm.training.objective import EMA
-from arvdm.training.posthoc_ema import PostHocEMA, snapshot_path
+from arvdm.training.power_ema import PostHocEMA, snapshot_path
 from arvdm.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

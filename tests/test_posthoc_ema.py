@@ -1,6 +1,6 @@
-"""Post-hoc EMA (arvdm.training.posthoc_ema, EDM2): the power profile's known values, the discrete update against
-its closed-form weights, reconstruction against a power EMA run alongside, the trainer's snapshots and exact
-resume, and the CLI's refusals."""
+"""Post-hoc EMA (EDM2; arvdm.training.power_ema and posthoc_ema): the power profile's known values, the discrete
+update against its closed-form weights, reconstruction against a power EMA run alongside, the trainer's snapshots
+and exact resume, and the CLI's refusals."""
 
 from __future__ import annotations
 
@@ -17,17 +17,8 @@ from arvdm.config import ConfigError, apply_overrides, get_preset
 from arvdm.errors import ArvdmError
 from arvdm.model.checkpoint import CheckpointError, load_config, load_weights, resolve_checkpoint
 from arvdm.model.denoiser import Denoiser
-from arvdm.training.posthoc_ema import (
-    PostHocEMA,
-    PowerEMA,
-    gamma_of,
-    list_snapshots,
-    main,
-    reconstruct,
-    sigma_rel_of,
-    snapshot_path,
-    solve_coefficients,
-)
+from arvdm.training.posthoc_ema import list_snapshots, main, reconstruct, solve_coefficients
+from arvdm.training.power_ema import PostHocEMA, PowerEMA, gamma_of, sigma_rel_of, snapshot_path
 from arvdm.training.trainer import Trainer
 
 POSTHOC = ["train.ema_posthoc=[0.05,0.1]", "train.ema_posthoc_every=1"]

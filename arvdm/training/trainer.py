@@ -74,7 +74,7 @@ from arvdm.training.loader import (
 )
 from arvdm.training.log import LossMeter, RunLogger
 from arvdm.training.objective import EMA, diffusion_forcing_loss, make_optimizer, rollout_context
-from arvdm.training.posthoc_ema import PostHocEMA
+from arvdm.training.power_ema import PostHocEMA
 from arvdm.training.sample_video import SampleVideo
 from memory.select import recent_frames
 
