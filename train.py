@@ -1,4 +1,4 @@
-"""Train an auto-regressive video diffusion model (diffusion forcing, with memory).
+r"""Train an auto-regressive video diffusion model (diffusion forcing, with memory).
 
 One CPU (the `tiny` preset; generates a small Memory Maze data set first if datasets/memory_maze_32_mixed is absent,
 then trains as 2 data-parallel ranks of one thread each, train.cpu_ranks; --set train.cpu_ranks=1 for one process):
