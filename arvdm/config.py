@@ -315,7 +315,8 @@ class TrainConfig:
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
         _check(math.isfinite(_number(self.ema_warmup)) and self.ema_warmup > 1.0, "train.ema_warmup", self.ema_warmup,
                "must be a number > 1 (the c of the warm-up (1+t)/(c+t))")
-        _check(isinstance(self.ema_posthoc, list) and all(0 < _number(x) <= 0.28 for x in self.ema_posthoc),
+        _check(isinstance(self.ema_posthoc, list) and all(
+            isinstance(x, (int, float)) and 0 < _number(x) <= 0.28 for x in self.ema_posthoc),
                "train.ema_posthoc", self.ema_posthoc, "must be a list of lengths sigma_rel in (0, 0.28]")
         _check(type(self.ema_posthoc_every) is int and self.ema_posthoc_every >= 1 and (
             not self.ema_posthoc or self.ckpt_every % self.ema_posthoc_every == 0), "train.ema_posthoc_every",

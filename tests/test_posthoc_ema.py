@@ -95,12 +95,14 @@ def test_reconstruction_matches_a_power_ema_run_alongside(tmp_path):
 
 
 def test_config_refuses_lengths_and_intervals_it_cannot_use():
-    base = get_preset("tiny")  # ckpt_every 525
+    """An interval that does not divide ckpt_every (tiny's 525), a length out of (0, 0.28], a string, a bare number:
+    each a ConfigError naming the key."""
     with pytest.raises(ConfigError, match=r"train\.ema_posthoc_every"):
-        apply_overrides(base, ["train.ema_posthoc=[0.05]", "train.ema_posthoc_every=50"]).validate()
-    with pytest.raises(ConfigError, match=r"train\.ema_posthoc="):
-        apply_overrides(base, ["train.ema_posthoc=[0.05,0.3]"]).validate()
-    apply_overrides(base, ["train.ema_posthoc=[0.05,0.1]", "train.ema_posthoc_every=35"]).validate()
+        apply_overrides(get_preset("tiny"), ["train.ema_posthoc=[0.05]", "train.ema_posthoc_every=50"]).validate()
+    for bad in ("[0.05,0.3]", '["0.05"]', "0.05"):
+        with pytest.raises(ConfigError, match=r"train\.ema_posthoc"):
+            apply_overrides(get_preset("tiny"), [f"train.ema_posthoc={bad}"]).validate()
+    apply_overrides(get_preset("tiny"), ["train.ema_posthoc=[0.05,0.1]", "train.ema_posthoc_every=35"]).validate()
 
 
 def test_trainer_snapshots_resume_exactly_and_build_a_checkpoint(tmp_path, capsys):
