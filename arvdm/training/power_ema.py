@@ -51,7 +51,7 @@ class PowerEMA(EMA):
 
     def __init__(self, model: torch.nn.Module, sigma_rel: float):
         super().__init__(model, decay=0.0)
-        self.sigma_rel, self.gamma = float(sigma_rel), gamma_of(sigma_rel)
+        self.gamma = gamma_of(sigma_rel)
 
     def decay_at(self, step: int) -> float:
         return (1.0 - 1.0 / step) ** (self.gamma + 1)
