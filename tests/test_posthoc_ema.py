@@ -83,6 +83,9 @@ def test_reconstruction_matches_a_power_ema_run_alongside(tmp_path):
         if posthoc.due(t, last=t == 200):
             posthoc.save(tmp_path, t, is_main=True)
     assert len(list_snapshots(tmp_path)) == 80
+    # the last step is written even off the interval; a run without lengths writes nothing
+    assert posthoc.due(7, last=True) and not posthoc.due(7, last=False) and posthoc.due(10, last=False)
+    assert not PostHocEMA(model, [], every=5).due(10, last=True)
     weights, info = reconstruct(tmp_path, 0.07)
     assert info["step"] == 200 and info["relative_residual"] < 0.01
     want = truth.model.state_dict()
