@@ -40,8 +40,6 @@ from arvdm.hybrid.convert import apply_for_training
 from arvdm.model.checkpoint import (
     CheckpointError,
     checkpoint_step,
-    latest_checkpoint,
-    load_config,
     load_training_state,
     load_weights,
     resolve_data_path,
@@ -58,7 +56,6 @@ from arvdm.training.distributed import (
     barrier,
     cleanup_distributed,
     distributed_error,
-    gather,
     setup_distributed,
 )
 from arvdm.training.loader import (
@@ -75,6 +72,7 @@ from arvdm.training.loader import (
 from arvdm.training.log import LossMeter, RunLogger
 from arvdm.training.objective import EMA, diffusion_forcing_loss, make_optimizer, rollout_context
 from arvdm.training.power_ema import PostHocEMA
+from arvdm.training.resume import checkpoint_to_resume, restore_rng, rng_states, warn_if_data_differs
 from arvdm.training.sample_video import SampleVideo
 from memory.select import recent_frames
 
@@ -101,7 +99,7 @@ class Trainer:
         self.m, self.w, self.K = cfg.memory.length, tc.window, cfg.diffusion.num_levels
         # One optimizer step takes grad_accum micro-batches of batch_size clips on every rank.
         self.global_batch = tc.batch_size * self.dist.world_size * tc.grad_accum
-        ckpt = self._checkpoint_to_resume(resume)
+        ckpt = checkpoint_to_resume(self.run_dir, cfg, resume)
         # Found from here, else beside the run folder; saved absolute so the run samples from anywhere.
         cfg.data.abs_path = str(resolve_data_path(cfg, self.run_dir, flag="--data").resolve())
 
@@ -130,18 +128,6 @@ class Trainer:
             self._load(ckpt)
         self._wrap_for_training()
         self.sample_video = SampleVideo(cfg, self.run_dir, self.device)
-
-    def _checkpoint_to_resume(self, resume: bool) -> Path | None:
-        """The checkpoint to resume from (None for a fresh run); refuses to overwrite or to resume nothing."""
-        ckpt = latest_checkpoint(self.run_dir)
-        if resume and ckpt is None:
-            raise CheckpointError(f"--resume: {self.run_dir} has no complete checkpoint to resume from")
-        if not resume and ckpt is not None:
-            raise CheckpointError(f"{self.run_dir} already holds checkpoints (newest {ckpt.name}); pass --resume "
-                                  f"to continue it or choose another --out")
-        if resume:
-            _check_resumable(load_config(ckpt), self.cfg, ckpt)
-        return ckpt
 
     def _build_model(self) -> None:
         """The denoiser (seeded: the same initial weights on every rank), its noise tables and its EMA."""
@@ -376,10 +362,7 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------------------------
     def training_state(self) -> dict[str, Any]:
         """Everything besides the weights that an exact resume needs (weights_only-loadable)."""
-        rng = {"noise": self.generator.get_state(), "torch": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        per_rank = gather(rng, self.dist)  # each rank's generators differ: keep them all
+        per_rank = rng_states(self.generator, self.device, self.dist)  # a collective under DDP
         return {
             "step": self.step,
             # under FSDP gathered (a collective) into the unsharded layout: one checkpoint format for all
@@ -428,37 +411,15 @@ class Trainer:
         self.elapsed = float(state.get("elapsed_s", 0.0))
         data = state["data"]
         self._start_position = int(data["position"])
-        if data["dataset_len"] != len(self.train_ds) or data["world_size"] != self.dist.world_size \
-                or data["batch_size"] != self.cfg.train.batch_size:
-            print(f"warning: resuming {ckpt} with a different data set size, batch size or number of ranks "
-                  f"({data}); training continues but will not match an unbroken run", file=sys.stderr)
-        self._restore_rng(state["rng"])
+        warn_if_data_differs(data, {"dataset_len": len(self.train_ds), "world_size": self.dist.world_size,
+                                    "batch_size": self.cfg.train.batch_size}, ckpt)
+        restore_rng(state["rng"], self.generator, self.device, self.dist)
         if self.dist.is_main:
             print(f"resumed {ckpt} at step {self.step}", file=sys.stderr)
-
-    def _restore_rng(self, rngs: list[dict[str, torch.Tensor]]) -> None:
-        """This rank's generators from a checkpoint (skipped when it was saved by another number of ranks)."""
-        if len(rngs) != self.dist.world_size:
-            return
-        mine = rngs[self.dist.rank]
-        self.generator.set_state(mine["noise"])
-        torch.set_rng_state(mine["torch"])
-        if self.device.type == "cuda" and "cuda" in mine:
-            torch.cuda.set_rng_state(mine["cuda"], self.device)
-
 
 def _due(step: int, every: int) -> bool:
     """Periodic events; every <= 0 means never (the last step still logs, validates and checkpoints)."""
     return every > 0 and step % every == 0
-
-
-def _check_resumable(saved: Config, cfg: Config, ckpt: Path) -> None:
-    """The model, memory and diffusion sections must equal the checkpoint's (the weights depend on them)."""
-    a, b = saved.to_dict(), cfg.to_dict()
-    diff = [f"{s}.{k}: checkpoint {a[s][k]!r}, now {b[s].get(k)!r}"
-            for s in ("model", "memory", "diffusion") for k in a[s] if a[s][k] != b[s].get(k)]
-    if diff:
-        raise ConfigError(f"cannot resume {ckpt}: the config differs from the checkpoint's: " + "; ".join(diff))
 
 
 # -- entry point -------------------------------------------------------------------------------------------
