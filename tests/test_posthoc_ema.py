@@ -108,7 +108,7 @@ def test_config_refuses_lengths_and_intervals_it_cannot_use():
     apply_overrides(get_preset("tiny"), ["train.ema_posthoc=[0.05,0.1]", "train.ema_posthoc_every=35"]).validate()
 
 
-def test_trainer_snapshots_resume_exactly_and_build_a_checkpoint(tmp_path, capsys):
+def test_trainer_snapshots_resume_exactly_and_build_a_checkpoint(tmp_path, capsys, monkeypatch):
     """The trainer writes both power EMAs every step; a run killed at step 3 and resumed writes the same step-6
     snapshots bit for bit (their state comes back from the step-3 snapshots); the CLI's checkpoint folder loads
     into a Denoiser, its EMA is the reconstruction, and sampling finds it as a run."""
@@ -150,6 +150,26 @@ def test_trainer_snapshots_resume_exactly_and_build_a_checkpoint(tmp_path, capsy
     assert "exists" in err and "no power-EMA snapshots" in err and "no checkpoint at step 5" in err
     assert "sigma_rel 0.5" in err and "step_0000004.safetensors: not a readable power-EMA snapshot" in err
     assert not any((tmp_path / n).exists() for n in "xyzw")
+
+    # a sweep: one folder per length from one call, each the reconstruction of its own length
+    sweep = str(tmp_path / "sweep{sigma_rel}")
+    assert main([str(tmp_path / "unbroken"), "--sigma-rel", "0.05", "0.2", "--out", sweep]) == 0
+    for s in (0.05, 0.2):
+        assert_same(load_file(str(tmp_path / f"sweep{s}/ema.safetensors")), reconstruct(tmp_path / "unbroken", s)[0])
+    # refused before anything is written: no pattern, a length twice, one length out of range, a folder that exists
+    run, pattern = str(tmp_path / "unbroken"), str(tmp_path / "v{sigma_rel}")
+    assert main([run, "--sigma-rel", "0.05", "0.07", "--out", str(tmp_path / "v")]) == 2
+    assert main([run, "--sigma-rel", "0.07", "0.07", "--out", pattern]) == 2
+    assert main([run, "--sigma-rel", "0.07", "0.5", "--out", pattern]) == 2
+    assert main([run, "--sigma-rel", "0.07", "0.2", "--out", sweep]) == 2
+    err = capsys.readouterr().err
+    assert "need a {sigma_rel} in --out" in err and "a length is given twice" in err and "sigma_rel 0.5" in err
+    assert f"--out {tmp_path / 'sweep0.2'} exists" in err
+    assert not list(tmp_path.glob("v*")) and not (tmp_path / "sweep0.07").exists()
+    # a step without a checkpoint is named before the snapshots are read and combined
+    import arvdm.training.posthoc_ema as posthoc_module
+    monkeypatch.setattr(posthoc_module, "reconstruct", lambda *a, **k: pytest.fail("reconstructed before the check"))
+    assert main([run, "--sigma-rel", "0.07", "--step", "5", "--out", str(tmp_path / "y")]) == 2
 
 
 def test_resume_without_the_snapshot_at_the_checkpoint_step_is_refused(tmp_path):

@@ -9,6 +9,7 @@ residual.
 
     python train.py --out runs/ph --set "train.ema_posthoc=[0.05,0.1]" --set train.ema_posthoc_every=35
     python -m arvdm.training.posthoc_ema runs/ph --sigma-rel 0.03 --out runs/ph_ema003   # a checkpoint folder
+    python -m arvdm.training.posthoc_ema runs/ph --sigma-rel 0.03 0.05 0.19 --out "runs/ph_ema{sigma_rel}"  # a sweep
     python sample.py --run runs/ph_ema003 --frames 120 --eval
 """
 
@@ -111,11 +112,14 @@ def reconstruct(run_dir: str | Path, sigma_rel: float, step: int | None = None
 def write_checkpoint(run_dir: str | Path, sigma_rel: float, out: str | Path, step: int | None = None) -> dict:
     """A checkpoint folder `out` for sample.py (`--run OUT`): the run's checkpoint at `step` (config, raw weights)
     with its EMA replaced by the reconstruction, and posthoc.json; written atomically. Returns the info."""
-    weights, info = reconstruct(run_dir, sigma_rel, step)
+    gamma_of(sigma_rel)  # a length out of range is refused before any file is read
+    snaps = list_snapshots(run_dir)
+    step = snaps[-1].step if step is None and snaps else step
     ckpts = {checkpoint_step(c): c for c in list_checkpoints(run_dir)}
-    if info["step"] not in ckpts:
-        raise CheckpointError(f"{run_dir}: no checkpoint at step {info['step']} to take the config and raw weights "
+    if snaps and step not in ckpts:  # checked before the (slow) reconstruction
+        raise CheckpointError(f"{run_dir}: no checkpoint at step {step} to take the config and raw weights "
                               f"from (checkpoints: {sorted(ckpts)}); pass --step one of those")
+    weights, info = reconstruct(run_dir, sigma_rel, step)
     src = resolve_checkpoint(checkpoint_dir(run_dir, info["step"]))
 
     def fill(folder: Path) -> None:
@@ -128,23 +132,41 @@ def write_checkpoint(run_dir: str | Path, sigma_rel: float, out: str | Path, ste
     return info
 
 
+def output_folders(out: str, sigma_rels: list[float]) -> list[Path]:
+    """One folder per length: `out` itself for one, `out` with {sigma_rel} filled in for several (a sweep)."""
+    if len(sigma_rels) > 1 and "{sigma_rel}" not in out:
+        raise ArvdmError(f"--out {out}: several --sigma-rel lengths need a {{sigma_rel}} in --out, e.g. "
+                         f"runs/ph_ema{{sigma_rel}}")
+    if len(set(sigma_rels)) != len(sigma_rels):
+        raise ArvdmError(f"--sigma-rel {' '.join(map(str, sigma_rels))}: a length is given twice")
+    folders = [Path(out.replace("{sigma_rel}", f"{s:g}")) for s in sigma_rels]
+    for folder in folders:
+        if folder.exists():
+            raise ArvdmError(f"--out {folder} exists; choose a new folder")
+    return folders
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m arvdm.training.posthoc_ema", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a run folder trained with train.ema_posthoc")
-    p.add_argument("--sigma-rel", type=float, required=True, help=f"the EMA length to build, in (0, {SIGMA_REL_MAX}]")
+    p.add_argument("--sigma-rel", type=float, nargs="+", required=True,
+                   help=f"the EMA length(s) to build, each in (0, {SIGMA_REL_MAX}]")
     p.add_argument("--step", type=int, default=None, help="the training step (default: the newest snapshot's)")
-    p.add_argument("--out", required=True, help="the checkpoint folder to write (sample.py --run OUT)")
+    p.add_argument("--out", required=True, help="the checkpoint folder to write (sample.py --run OUT); with several "
+                                                "lengths a pattern holding {sigma_rel}, e.g. runs/ph_ema{sigma_rel}")
     args = p.parse_args(argv)
     try:
-        if Path(args.out).exists():
-            raise ArvdmError(f"--out {args.out} exists; choose a new folder")
-        info = write_checkpoint(args.run, args.sigma_rel, args.out, args.step)
+        folders = output_folders(args.out, args.sigma_rel)
+        for s in args.sigma_rel:  # every length checked before the first folder is written
+            gamma_of(s)
+        for s, folder in zip(args.sigma_rel, folders):
+            info = write_checkpoint(args.run, s, folder, args.step)
+            print(f"{folder}: EMA σ_rel {info['sigma_rel']} (γ {info['gamma']:.2f}) at step {info['step']} from "
+                  f"{len(info['snapshots'])} snapshots, relative profile residual {info['relative_residual']:.2e}")
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.out}: EMA σ_rel {info['sigma_rel']} (γ {info['gamma']:.2f}) at step {info['step']} from "
-          f"{len(info['snapshots'])} snapshots, relative profile residual {info['relative_residual']:.2e}")
     return 0
 
 
