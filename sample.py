@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "diffusion.context_level for a preset schedule, 20 for tiny; a schedule file's own)")
     p.add_argument("--history-guidance", type=float, default=0.0, metavar="W",
                    help="v = v_mem + W (v_mem - v_nomem) (history guidance, DFoT); 0 = off, one model call per row")
+    p.add_argument("--action-guidance", type=float, default=0.0, metavar="W",
+                   help="v += W (v - v_noact), v_noact with the null action (classifier-free guidance over the "
+                        "actions; a run trained with train.action_dropout > 0); 0 = off, one model call per row")
     p.add_argument("--candidates", type=int, default=1, metavar="N",
                    help="N candidates per episode; each AR step keeps the one closest to the others (minimum Bayes "
                         "risk under squared error) and goes on from it: less of a sample's spread, N times the compute")
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                               compile=args.compile, speculate=args.speculate, draft=args.draft,
                               lookaheads=lookaheads, level_bins=args.level_bins, memory_select=args.memory_select,
                               context_level=args.context_level, history_guidance=args.history_guidance,
+                              action_guidance=args.action_guidance,
                               candidates=args.candidates, anchor_sigma=args.anchor_sigma,
                               anchor_floor=args.anchor_floor)
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)

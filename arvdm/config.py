@@ -58,9 +58,9 @@ def check_eta(eta: Any, name: str, error: type[ArvdmError] = ConfigError) -> flo
 
 
 def check_guidance(weight: Any, name: str, error: type[ArvdmError] = ConfigError) -> float:
-    """The one check of a history-guidance weight W: a finite number (0 = no guidance; NaN / inf refused)."""
+    """The one check of a guidance weight W (history or actions): a finite number (0 = none; NaN / inf refused)."""
     if not math.isfinite(value := _number(weight)):
-        raise error(f"{name} must be a finite number (0 = no history guidance), got {weight!r}")
+        raise error(f"{name} must be a finite number (0 = no guidance), got {weight!r}")
     return value
 
 
@@ -300,6 +300,7 @@ class TrainConfig:
     context_noise_max: int = 0
     # History guidance (DFoT 2025): the share of training steps whose batch sees no memory; 0 = no extra draw.
     memory_dropout: float = 0.0
+    action_dropout: float = 0.0  # action guidance (CFG over actions): share of clips whose window has no actions
     # Rollout-trained context (Self-Forcing, Huang et al. 2025; 0 = off): the EMA model generates the G frames before
     # each window from its memory in rollout_steps steps; the window trains with the memory it would then have.
     rollout_frames: int = 0
@@ -326,8 +327,9 @@ class TrainConfig:
                "must be uniform or min_snr")
         _check(self.min_snr_gamma > 0, "train.min_snr_gamma", self.min_snr_gamma, "must be > 0")
         _check(self.dist_timeout_s > 0, "train.dist_timeout_s", self.dist_timeout_s, "must be > 0 seconds")
-        _check(isinstance(self.memory_dropout, (int, float)) and 0.0 <= self.memory_dropout < 1.0,
-               "train.memory_dropout", self.memory_dropout, "must be in [0, 1) (the share of steps without memory)")
+        for key, what in (("memory_dropout", "steps without memory"), ("action_dropout", "clips without actions")):
+            _check(isinstance(v := getattr(self, key), (int, float)) and not isinstance(v, bool) and 0.0 <= v < 1.0,
+                   f"train.{key}", v, f"must be in [0, 1) (the share of {what})")
         for key, low in (("rollout_frames", 0), ("rollout_steps", 1)):
             _check(type(v := getattr(self, key)) is int and v >= low, f"train.{key}", v, f"must be an integer >= {low}")
         _check(0 < _number(self.rollout_share) <= 1, "train.rollout_share", self.rollout_share, "must be in (0, 1]")

@@ -50,6 +50,7 @@ class SampleSettings:
     compile: bool = False  # torch.compile the denoiser's forward (the KV-cache length is marked dynamic)
     context_level: int | None = None  # k_ctx of finished frames in memory; None = the run's / a schedule file's
     history_guidance: float = 0.0  # W: v = v_mem + W (v_mem - v_nomem) (DFoT); 0 = no guidance, one call per row
+    action_guidance: float = 0.0  # W_a: v += W_a (v - v_noact) (CFG over the actions); 0 = no guidance
     candidates: int = 1  # N: per AR step keep the medoid of N candidates (minimum Bayes risk); N times the compute
     anchor_sigma: float | None = None  # σ px: low frequencies held to the level-K x̂0 (arvdm.pipeline.anchor); 0 = off;
     #   None = the run's diffusion.anchor_sigma (0 with --speculate)
@@ -75,6 +76,7 @@ class SampleSettings:
         if self.memory_select not in (None, *SELECTIONS):
             raise SamplingError(f"--memory-select {self.memory_select!r}: choose one of {', '.join(SELECTIONS)}")
         check_guidance(self.history_guidance, "--history-guidance", SamplingError)
+        check_guidance(self.action_guidance, "--action-guidance", SamplingError)
         if self.anchor_sigma is not None and check_anchor_sigma(self.anchor_sigma, "--anchor-sigma",
                                                                 SamplingError) > 0 and self.speculate:
             raise SamplingError(f"--anchor-sigma {self.anchor_sigma} cannot go with --speculate (the anchor moves each "

@@ -153,7 +153,7 @@ def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, re
                       progress=settings.progress, rows=None if spec is None else SpeculativeRows(spec),
                       poses=p if cfg.memory.select == "pose" else None,
                       memory_select=settings.memory_select,
-                      history_guidance=settings.history_guidance,
+                      history_guidance=settings.history_guidance, action_guidance=settings.action_guidance,
                       candidates=settings.candidates, anchor_sigma=settings.anchor_sigma,
                       anchor_floor=settings.anchor_floor)  # (b, n_gen, C, H, W)
         if spec is not None:

@@ -302,8 +302,8 @@ class Denoiser(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor,
-                memory: MemoryFrames | None = None, state: RolloutState | None = None, return_extras: bool = False
-                ) -> torch.Tensor | DenoiserOutput:
+                memory: MemoryFrames | None = None, state: RolloutState | None = None, return_extras: bool = False,
+                drop_actions: torch.Tensor | None = None) -> torch.Tensor | DenoiserOutput:
         """Predict v for a window.
 
         Args:
@@ -314,6 +314,8 @@ class Denoiser(nn.Module):
                 given (retention is the bank's job). Their positions fix where the window starts.
             state: a `RolloutState` (cached rollout); the window starts at `state.n_committed`.
             return_extras: return a :class:`DenoiserOutput` (v and what the loss supervises besides it) instead of v.
+            drop_actions: (B,) bool: those samples' window actions become the null action (action guidance's
+                unconditional branch; train.action_dropout), in the embedding and the advection alike.
 
         Returns:
             (B,T,C,H,W) v-prediction for the window only, or with `return_extras` a :class:`DenoiserOutput`.
@@ -322,6 +324,8 @@ class Denoiser(nn.Module):
         if memory is not None and state is not None:
             raise DenoiserError("give either memory= (explicit frames) or state= (cached rollout), not both")
         b, t = x.shape[:2]
+        if drop_actions is not None:
+            actions = torch.where(drop_actions[:, None], self.null_action, actions)  # (B,T)
         cond = self._cond(levels, actions)  # (B,T,D)
         last = state.last_frame if state is not None else self._last_frame(memory)  # (B,C,H,W) or None
         cond, gate_on = copy_gate.gate_on(self, cond, state, memory, last)  # (B,T,D); (B,) with copy_gate=observed

@@ -20,8 +20,9 @@ The loop (Meta-ARVDM, arXiv 2503.10704, Alg. 1):
 
 Error-accumulation levers (docs/sampling.md): ``context_level`` k_ctx (the schedule's by default) commits the
 finished frames, and the context, re-noised to level k_ctx and tells the model so (noisy context, GameNGen
-2024 / Diffusion Forcing 2024); ``history_guidance`` W guides each row's v towards the memory (DFoT 2025).
-k_ctx = 0 and W = 0 are exactly the plain rollout (nothing extra drawn, one model call per row).
+2024 / Diffusion Forcing 2024); ``history_guidance`` W guides each row's v towards the memory (DFoT 2025),
+``action_guidance`` W_a towards the actions (classifier-free guidance over the actions, Ho & Salimans 2022).
+k_ctx = 0 and W = W_a = 0 are exactly the plain rollout (nothing extra drawn, one model call per row).
 ``candidates`` N > 1 rolls N candidates of every sample side by side and, at every AR step, keeps the one whose
 finished frames are closest (summed squared distance) to the others' — the minimum-Bayes-risk choice under a
 squared-error loss (Kumar & Byrne 2004) — copies its window to all N, and commits it: one sharp rollout that
@@ -66,8 +67,8 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
             generator: Generators = None, use_cache: bool = True, progress: bool = True,
             return_intermediate: bool = False, rows: RowRunner | None = None, poses: torch.Tensor | None = None,
             memory_select: str | None = None, context_level: int | None = None, history_guidance: float = 0.0,
-            candidates: int = 1, anchor_sigma: float | None = None,
-            anchor_floor: int | None = None) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+            candidates: int = 1, anchor_sigma: float | None = None, anchor_floor: int | None = None,
+            action_guidance: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """Generate ``n_frames`` frames after ``context`` with a Meta-ARVDM schedule.
 
     Args:
@@ -106,6 +107,10 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
         history_guidance: W, any finite number: every row's v is ``v_mem + W (v_mem - v_nomem)``, ``v_nomem``
             the same window without memory (two calls per row). 0 = one call, exactly the unguided rollout.
             Meant for a model trained with ``train.memory_dropout > 0``.
+        action_guidance: W_a, any finite number: ``W_a (v - v_noact)`` is added to every row's v (after history
+            guidance's term), ``v_noact`` the same call with the window's actions replaced by the null action (one
+            more call per row). 0 = exactly the unguided rollout. Meant for a model trained with
+            ``train.action_dropout > 0``.
         candidates: N >= 1 candidates per sample (plain rows, no ``return_intermediate``): at every AR step the
             candidate whose finished frames have the least summed squared distance to the other candidates' is
             kept (:func:`medoid`), its whole window is copied to the N, and its frames are emitted and committed.
@@ -125,7 +130,8 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     if n_cand == 1:
         return _rollout(model, diffusion, schedule, context, context_actions, actions, n_frames, eta, generator,
                         use_cache, progress, return_intermediate, rows, poses, memory_select, context_level,
-                        history_guidance, anchor_sigma, anchor_floor, n_candidates=1)
+                        history_guidance, anchor_sigma, anchor_floor, n_candidates=1,
+                        action_guidance=action_guidance)
     b = _check_inputs(context, context_actions, actions, n_frames)[0]
     # N candidates of every sample side by side: sample i's are rows i*N .. i*N + N-1
     context, context_actions, actions = (t.repeat_interleave(n_cand, dim=0)
@@ -134,7 +140,7 @@ def rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSched
     video = _rollout(model, diffusion, schedule, context, context_actions, actions, n_frames, eta,
                      candidate_generators(generator, n_cand, b), use_cache, progress, False, None, poses,
                      memory_select, context_level, history_guidance, anchor_sigma, anchor_floor,
-                     n_candidates=n_cand)  # (B*N, n_frames, ...)
+                     n_candidates=n_cand, action_guidance=action_guidance)  # (B*N, n_frames, ...)
     return video[::n_cand]  # the N are identical after every choice: (B, n_frames, ch, H, W)
 
 
@@ -143,7 +149,7 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
              generator: Generators, use_cache: bool, progress: bool, return_intermediate: bool,
              rows: RowRunner | None, poses: torch.Tensor | None, memory_select: str | None, context_level: int | None,
              history_guidance: float, anchor_sigma: float | None, anchor_floor: int | None,
-             n_candidates: int) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
+             n_candidates: int, action_guidance: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, list[RolloutStep]]:
     """:func:`rollout` on a batch that holds ``n_candidates`` consecutive candidates of every sample."""
     b, n_ctx = _check_inputs(context, context_actions, actions, n_frames)
     _check_generators(generator, b)
@@ -151,19 +157,20 @@ def _rollout(model: RolloutModel, diffusion: PerFrameDiffusion, schedule: ARSche
     k_ctx = schedule.context_level if context_level is None else check_context_level(
         context_level, schedule.num_levels, "rollout context_level")
     guidance = check_guidance(history_guidance, "rollout history_guidance", SamplingError)
+    act_guidance = check_guidance(action_guidance, "rollout action_guidance", SamplingError)
     runner = PlainRows() if rows is None else rows
     # None = the run's, as eta (diffusion.cfg); not with speculative rows, which do not support an anchor
     sigma, floor = diffusion.cfg.anchor(anchor_sigma, anchor_floor, ("rollout anchor_sigma", "rollout anchor_floor"),
                                         supported=isinstance(runner, PlainRows))
-    if (k_ctx or guidance or sigma) and not isinstance(runner, PlainRows):
-        raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} / anchor_sigma={sigma} need the "
-                            f"plain row runner; {type(runner).__name__} does not support them yet (use "
-                            "context_level=0, history_guidance=0 and anchor_sigma=0, or no speculation)")
+    if (k_ctx or guidance or act_guidance or sigma) and not isinstance(runner, PlainRows):
+        raise SamplingError(f"context_level={k_ctx} / history_guidance={guidance} / action_guidance={act_guidance} / "
+                            f"anchor_sigma={sigma} need the plain row runner; {type(runner).__name__} does not support "
+                            "them yet (set them to 0, or no speculation)")
     _check_model(model, diffusion, schedule, n_ctx)
     _check_action_range(model, context_actions, actions[:, :n_frames])  # once per rollout, not per call
     ctx = RolloutContext(model, diffusion, eta, generator, b, context.device, context.dtype,
                          record=[] if return_intermediate else None, context_level=k_ctx,
-                         history_guidance=guidance, candidates=n_candidates,
+                         history_guidance=guidance, action_guidance=act_guidance, candidates=n_candidates,
                          anchor=LowFrequencyAnchor(diffusion, sigma, floor) if sigma > 0 else None)
     select = {} if memory_select is None else {"memory_select": memory_select}
     if use_cache:  # the model's own state (KV caches + bank)

@@ -55,6 +55,8 @@ class RolloutModel(Protocol):
         ``cfg.model.copy_gate == "observed"``): the frames are the rollout's real context, not generated ones."""
 
     def __call__(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor, *,
-                 memory: MemoryFrames | None = None, state: Any = None) -> torch.Tensor:
+                 memory: MemoryFrames | None = None, state: Any = None,
+                 drop_actions: torch.Tensor | None = None) -> torch.Tensor:
         """The v-prediction (B, w, C, H, W) for a window ``x`` (B, w, C, H, W) at ``levels`` (B, w) int64 with
-        ``actions`` (B, w) int64; the past comes from ``state`` (KV-cached) or ``memory`` (recomputed)."""
+        ``actions`` (B, w) int64; the past comes from ``state`` (KV-cached) or ``memory`` (recomputed).
+        ``drop_actions`` (B,) bool (passed only with action guidance): those samples' actions are the null action."""

@@ -79,7 +79,8 @@ class RolloutContext:
     a bank under the model's retention policy, handed over in full at every call) is set. ``record`` is a
     list to append one :class:`RolloutStep` per model call to (``return_intermediate=True``), else None.
     ``context_level`` k_ctx: committed frames are re-noised to it (0 = clean, nothing drawn);
-    ``history_guidance`` W: the guidance weight (0 = the memory-conditioned v alone).
+    ``history_guidance`` W: the guidance weight (0 = the memory-conditioned v alone); ``action_guidance`` W_a the
+    same over the window's actions (0 = the action-conditioned v alone).
     """
 
     model: RolloutModel
@@ -95,6 +96,7 @@ class RolloutContext:
     window_poses: torch.Tensor | None = None  # (B, w, 3) poses of the window's frames (pose-aware models), else None
     context_level: int = 0
     history_guidance: float = 0.0
+    action_guidance: float = 0.0
     candidates: int = 1  # N candidates per sample side by side (rollout(candidates=N)); the batch is B*N
     anchor: LowFrequencyAnchor | None = None  # rollout(anchor_sigma > 0): low frequencies held to the level-K x̂0
 
@@ -104,16 +106,19 @@ class RolloutContext:
 
     def predict(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The model's v (B, w, C, H, W) for the window ``x`` at ``levels`` (B, w), given the whole past;
-        with history guidance W != 0, ``v_mem + W (v_mem - v_nomem)`` (a second call, without memory); with an
-        anchor, that v moved so that the frames' x̂0 keep their anchor's low frequencies (arvdm.pipeline.anchor)."""
-        if self.bank is None:
-            v = self.model(x, levels, actions, state=self.state)
-        else:
-            v = self.model(x, levels, actions, memory=self.bank.memory(self.window_poses))  # recomputed
+        with history guidance W != 0, ``v_mem + W (v_mem - v_nomem)`` (a second call, without memory); with action
+        guidance W_a != 0, ``+ W_a (v - v_noact)`` (a call with the null action); with an anchor, that v moved so
+        that the frames' x̂0 keep their anchor's low frequencies (arvdm.pipeline.anchor)."""
+        past = ({"state": self.state} if self.bank is None
+                else {"memory": self.bank.memory(self.window_poses)})  # cached, or recomputed
+        v_cond = v = self.model(x, levels, actions, **past)  # (B, w, C, H, W)
         if self.history_guidance != 0:
             # the window alone: positions 0..w-1, the same relative positions (RoPE) as with memory
             v_nomem = self.model(x, levels, actions, memory=None)  # (B, w, C, H, W)
-            v = v + self.history_guidance * (v - v_nomem)
+            v = v + self.history_guidance * (v_cond - v_nomem)
+        if self.action_guidance != 0:  # the same past, the window's actions replaced by the null action
+            dropped = torch.ones(actions.shape[0], dtype=torch.bool, device=actions.device)  # (B,)
+            v = v + self.action_guidance * (v_cond - self.model(x, levels, actions, drop_actions=dropped, **past))
         return v if self.anchor is None else self.anchor.apply(x, v, levels)
 
     def commit(self, frames: torch.Tensor, actions: torch.Tensor, poses: torch.Tensor | None = None,

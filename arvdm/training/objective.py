@@ -42,7 +42,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
                            ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0,
                            drop_memory: bool | None = None, copy_gate_loss: float = 0.0, copy_gate_detach: bool = False,
-                           advection_loss: float = ADVECTION_LOSS_WEIGHT, generated_last: torch.Tensor | None = None):
+                           advection_loss: float = ADVECTION_LOSS_WEIGHT, generated_last: torch.Tensor | None = None,
+                           action_dropout: float = 0.0):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -66,14 +67,13 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     clips get the gate (their last frame counts as observed, `MemoryFrames.last_observed`), the others the network
     alone, as a rollout has it once a generated frame is the last one; the BCE only on the gated clips
     (`_gated_clips`; `generated_last` from `rollout_context`: those clips are never gated).
-    `copy_gate_detach` (needs λ > 0): the v-MSE is taken on the network's own v̂, before the gate
-    (`copy_gate.own_v`), so the network trains exactly as one without a gate and the gate learns from the BCE
-    alone; the gate then composites the best share of the last frame onto an x̂0 that does not lean on it.
+    `copy_gate_detach` (needs λ > 0): the v-MSE is taken on the network's own v̂, before the gate (`copy_gate.own_v`),
+    so the network trains as one without a gate and the gate learns from the BCE alone.
 
     model.action_advection adds `advection_loss` (ADVECTION_LOSS_WEIGHT) · |advected − x0|² per counted frame: the
     last frame advected along the window's actions (`ActionAdvection`) should be the frame itself (CDNA's
     reconstruction loss), which trains the kernels directly; nothing for a batch without memory. Draws nothing.
-    Validation passes 0, so its loss stays the v-MSE alone, comparable across runs with and without advection.
+    Validation passes 0: its loss stays the v-MSE alone. `action_dropout` p: `_dropped_actions` (action guidance).
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
@@ -90,11 +90,12 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     advect = advection_loss > 0 and getattr(core, "advection", None) is not None
     if mem is not None and getattr(core, "gate_on_embed", None) is not None:  # copy_gate=observed
         on = mem.last_observed = _gated_clips(b, generator, x0.device, generated_last)  # (B,) bool
+    kw = _dropped_actions(action_dropout, b, generator, x0.device)
     with autocast():
         if copy_gate_loss > 0 or advect:  # extras asked only when used: a plain model is called exactly as before
-            outs = model(x_t, levels, act, memory=mem, return_extras=True)
+            outs = model(x_t, levels, act, memory=mem, return_extras=True, **kw)
         else:
-            outs = DenoiserOutput(model(x_t, levels, act, memory=mem), None, None, None)
+            outs = DenoiserOutput(model(x_t, levels, act, memory=mem, **kw), None, None, None)
     v = outs.v  # (B, w, C, H, W)
     if copy_gate_loss > 0:
         logit, x0_hat = outs.gate_logit, outs.x0_hat  # logit (B,w,1,H|1,W|1) | None
@@ -116,6 +117,16 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     if advected is not None:  # CDNA's objective for the kernels: the advected last frame should be the next frame
         per_frame = per_frame + advection_loss * (advected - x0.float()).pow(2).mean(dim=(2, 3, 4))  # (B, w)
     return (per_frame * counted).sum(), counted.sum()
+
+
+def _dropped_actions(p: float, b: int, generator: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    """`action_dropout` p (action guidance: classifier-free guidance over the actions, Ho & Salimans 2022): each of
+    the b clips' window actions become the null action with probability p, one (B,) draw after every other, so the
+    model learns v with and without the actions and `--action-guidance W` can push a rollout along them. The
+    model's keyword arguments: none when p = 0 (nothing drawn; the model called exactly as without the lever)."""
+    if p <= 0:
+        return {}
+    return {"drop_actions": (torch.rand(b, generator=generator, device=generator.device) < p).to(device)}  # (B,)
 
 
 def copy_target(frames: torch.Tensor, last: torch.Tensor, x0_hat: torch.Tensor,

@@ -208,7 +208,8 @@ class Trainer:
                                                           context_noise_max=tc.context_noise_max,
                                                           memory_dropout=tc.memory_dropout, drop_memory=drop,
                                                           copy_gate_loss=tc.copy_gate_loss,
-                                                          copy_gate_detach=tc.copy_gate_detach)
+                                                          copy_gate_detach=tc.copy_gate_detach,
+                                                          action_dropout=tc.action_dropout)
                     total.backward()
                 total_sum += total.detach().float()
                 count_sum += count.detach().float()
