@@ -171,3 +171,14 @@ def test_the_cli_exits_2_naming_a_bad_flag_or_a_missing_run(tmp_path, capsys):
     assert "--frames" in capsys.readouterr().err
     assert at.main(["--run", str(tmp_path / "none"), "--data", str(tmp_path)]) == 2
     assert "action_test: error:" in capsys.readouterr().err
+
+
+def test_action_guidance_reaches_every_rollout_and_zero_is_the_plain_test():
+    model, cfg = _model()
+    real, actions = _episodes()
+    plain = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False)
+    zero = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False, action_guidance=0.0)
+    guided = at.run_action_test(model, cfg, real, actions, context=4, steps=3, progress=False, action_guidance=2.0)
+    for kind in ("own", "noise", "other"):
+        assert torch.equal(zero[kind], plain[kind])
+        assert (guided[kind] - plain[kind]).abs().max() > 1e-3

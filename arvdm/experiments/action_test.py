@@ -77,10 +77,12 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
 
 def run_action_test(model: Any, cfg: Any, real: torch.Tensor, actions: torch.Tensor, context: int,
                     poses: torch.Tensor | None = None, steps: int = 20, seed: int = 0, batch_size: int = 8,
-                    progress: bool = True, swap: dict[int, int] | None = None) -> dict[str, torch.Tensor]:
+                    progress: bool = True, swap: dict[int, int] | None = None,
+                    action_guidance: float = 0.0) -> dict[str, torch.Tensor]:
     """The three rollouts of every episode of ``real`` (N, T, C, H, W) with ``actions`` (N, T) after its first
     ``context`` frames: {"own", "noise", "other"} -> (N, T - context, C, H, W), plus "real" (the truth's part);
-    with ``swap`` (``parse_swap``) a fourth, "swapped": own actions with the pairs exchanged, own noise."""
+    with ``swap`` (``parse_swap``) a fourth, "swapped": own actions with the pairs exchanged, own noise.
+    ``action_guidance`` W: every rollout guided along its actions (``rollout(action_guidance=W)``)."""
     n, t = actions.shape
     if n < 2:
         raise SamplingError(f"the action test needs at least 2 episodes (one lends its actions to another), got {n}")
@@ -105,7 +107,8 @@ def run_action_test(model: Any, cfg: Any, real: torch.Tensor, actions: torch.Ten
             a = acts[i:i + batch_size]
             gen = rollout(model, diffusion, schedule, r[:, :context], a[:, :context], a[:, context:], n_gen,
                           generator=episode_generators(s, range(i, i + r.shape[0])), progress=False,
-                          poses=p if cfg.memory.select == "pose" else None)  # (b, n_gen, C, H, W)
+                          poses=p if cfg.memory.select == "pose" else None,
+                          action_guidance=action_guidance)  # (b, n_gen, C, H, W)
             out[kind].append(gen.float().cpu())
     return {**{k: torch.cat(v) for k, v in out.items()}, "real": real[:, context:].float(),
             "last": real[:, context - 1:context].float()}
@@ -146,9 +149,10 @@ def summarise(videos: dict[str, torch.Tensor], n_boot: int = 2000, seed: int = 0
 def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frames: int = 64, steps: int = 20,
                 seed: int = 0, split: str = "training", device: str = "cpu", progress: bool = True,
                 swap: str | None = None, anchor_sigma: float | None = None,
-                anchor_floor: int | None = None) -> dict[str, Any]:
+                anchor_floor: int | None = None, action_guidance: float = 0.0) -> dict[str, Any]:
     """Load ``run`` and ``episodes`` episodes of ``data``, roll them out three ways (four with ``swap``, e.g.
-    "2:3,4:5"), summarise. ``anchor_sigma`` / ``anchor_floor``: the rollouts' anchor (None = the run's)."""
+    "2:3,4:5"), summarise. ``anchor_sigma`` / ``anchor_floor``: the rollouts' anchor (None = the run's);
+    ``action_guidance`` W: guidance along the actions (a run trained with ``train.action_dropout``)."""
     model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
     anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # the rollouts read it from cfg.diffusion
     pairs = parse_swap(swap, cfg.model.num_actions) if swap else None
@@ -156,8 +160,10 @@ def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frame
     if cfg.memory.select == "pose" and poses is None:
         raise SamplingError(f"{data}: the run chooses memory by pose, but the episodes have no 'pose' array")
     videos = run_action_test(model, cfg, real.to(device), actions.to(device), context,
-                             None if poses is None else poses.to(device), steps, seed, progress=progress, swap=pairs)
+                             None if poses is None else poses.to(device), steps, seed, progress=progress, swap=pairs,
+                             action_guidance=action_guidance)
     return {"run": str(run), "data": str(data), "split": split, "context": context, "seed": seed, "swap": swap,
+            "action_guidance": action_guidance,
             **anchor, **summarise(videos, seed=seed)}
 
 
@@ -193,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--swap", default=None, metavar="A:B,...",
                    help="direction check: a fourth rollout with these action pairs exchanged (Memory Maze: 2:3,4:5)")
     p.add_argument("--out", default=None)
+    p.add_argument("--action-guidance", type=float, default=0.0, metavar="W",
+                   help="guide every rollout along its actions (sample.py's flag; train.action_dropout > 0)")
     add_anchor_flags(p)
     args = p.parse_args(argv)
     for flag in ("episodes", "frames", "steps"):
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = action_test(args.run, args.data, args.episodes, args.context, args.frames, args.steps, args.seed,
                              args.split, args.device, swap=args.swap, anchor_sigma=args.anchor_sigma,
-                             anchor_floor=args.anchor_floor)
+                             anchor_floor=args.anchor_floor, action_guidance=args.action_guidance)
     except USER_ERRORS as err:
         print(f"action_test: error: {err}", file=sys.stderr)
         return 2
