@@ -137,15 +137,21 @@ def tiny_rollout(model, b, seed, spec=None, n_frames=4, steps=4, use_cache=True)
                    rows=None if spec is None else SpeculativeRows(spec), use_cache=use_cache)
 
 
-def test_draft_equal_to_target_reproduces_plain_sampling_bit_for_bit():
+def test_draft_equal_to_target_reproduces_plain_sampling():
+    """Bit for bit where a batched call rounds as single calls do; on CPUs whose kernels round by batch size (an
+    AMX machine, 2026-12-06) the rows that land frames on level 0 (σ = 0: accepted only when the means are equal
+    bit for bit) are rejected and their exact reflection is the target's own mean: the frames agree to rounding."""
     model = tiny()
     plain = tiny_rollout(model, 2, seed=3)
     spec = Speculation(arms=[(1, FROZEN), (3, "self")], policy=UCBSpec(2, 2), drafts={"self": model})
     fast = tiny_rollout(model, 2, seed=3, spec=spec)
-    assert torch.equal(fast, plain)
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=0)
     s = spec.summary()
-    # 2 AR steps x 4 rows; every drafted row accepted, the speculating arm was played
-    assert s["rows"] == 8 and s["acceptance"] == 1.0 and s["arm_counts"][1] > 0
+    # 2 AR steps x 4 rows; every drafted row that stays noisy accepted, the speculating arm was played
+    noisy = [c for c in spec.checks if c.row < 3]  # chunked, 4 steps: row 3 lands the window on level 0
+    assert s["rows"] == 8 and noisy and all(c.accepted == c.checked for c in noisy) and s["arm_counts"][1] > 0
+    if all(c.accepted == c.checked for c in spec.checks):  # the batched call rounded as the single ones
+        assert torch.equal(fast, plain)
     # the no-speculation arm alone is exactly a plain rollout too
     assert torch.equal(tiny_rollout(model, 2, seed=3, spec=Speculation([(1, FROZEN)], FixedArm(1, 0))), plain)
     # and without the KV cache (memory frames tiled for the batched call)
