@@ -14,7 +14,7 @@ import torch
 from test_history_guidance import B, Counting, K, LossSpy, OtherRows, clip, go, make
 from test_training import tiny_cfg, write_episodes
 
-from arvdm.config import ConfigError, SamplingError, apply_overrides, get_preset
+from arvdm.config import ConfigError, SamplingError, TrainConfig
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.rows import RolloutContext
 from arvdm.sample_settings import SampleSettings
@@ -90,7 +90,7 @@ def test_refusals_name_the_argument():
             SampleSettings(action_guidance=bad).validate()
     for bad in (1.0, -0.1, True, "0.1", math.nan):
         with pytest.raises(ConfigError, match="train.action_dropout"):
-            apply_overrides(get_preset("tiny"), []).train.__class__(action_dropout=bad).validate()
+            TrainConfig(action_dropout=bad).validate()
 
 
 # -- training ------------------------------------------------------------------------------------------------
@@ -138,3 +138,28 @@ def test_the_trainer_trains_the_null_action(tmp_path):
         rows[p] = (t.model.action_embed.weight[null] - before).abs().max().item()
         assert list(csv.DictReader(open(tmp_path / f"run{p}" / "log.csv")))
     assert rows[0.0] == 0.0 and rows[0.9] > 0.0
+
+
+def test_a_drop_mask_of_the_wrong_shape_is_refused():
+    from arvdm.model.denoiser import DenoiserError
+    model = make()
+    x, a = clip(2, seed=2)
+    with pytest.raises(DenoiserError, match=r"drop_actions must be \(B,\) = \(2,\) bool"):
+        model(x, torch.full((B, 2), 30), a, drop_actions=torch.ones(B, 2, dtype=torch.bool))
+
+
+def test_sample_settings_carry_the_weight_into_the_rollouts():
+    """sample.py's path (`roll_out_episodes`): W_a = 0 gives the default rollout, W_a = 1 another one."""
+    from arvdm.sampling import roll_out_episodes
+    from arvdm.schedules.presets import chunked
+    model = make()
+    real, actions = clip(6, seed=5)
+    sched = chunked(2, K, 2)
+
+    def go_settings(**kw):
+        s = SampleSettings(frames=4, steps=2, context=2, progress=False, **kw)
+        return roll_out_episodes(model, model.cfg, sched, real, actions, 2, s, torch.device("cpu"))[0]
+
+    plain = go_settings()
+    assert torch.equal(go_settings(action_guidance=0.0), plain)
+    assert (go_settings(action_guidance=1.0) - plain).abs().max() > 1e-3

@@ -325,6 +325,9 @@ class Denoiser(nn.Module):
             raise DenoiserError("give either memory= (explicit frames) or state= (cached rollout), not both")
         b, t = x.shape[:2]
         if drop_actions is not None:
+            if tuple(drop_actions.shape) != (b,) or drop_actions.dtype != torch.bool:
+                raise DenoiserError(f"drop_actions must be (B,) = ({b},) bool, got {tuple(drop_actions.shape)} "
+                                    f"{drop_actions.dtype}")
             actions = torch.where(drop_actions[:, None], self.null_action, actions)  # (B,T)
         cond = self._cond(levels, actions)  # (B,T,D)
         last = state.last_frame if state is not None else self._last_frame(memory)  # (B,C,H,W) or None

@@ -133,7 +133,10 @@ def write_checkpoint(run_dir: str | Path, sigma_rel: float, out: str | Path, ste
 
 
 def output_folders(out: str, sigma_rels: list[float]) -> list[Path]:
-    """One folder per length: `out` itself for one, `out` with {sigma_rel} filled in for several (a sweep)."""
+    """One folder per length: `out` itself for one, `out` with {sigma_rel} filled in for several (a sweep); every
+    length and folder is checked here, before the first folder is written."""
+    for s in sigma_rels:
+        gamma_of(s)
     if len(sigma_rels) > 1 and "{sigma_rel}" not in out:
         raise ArvdmError(f"--out {out}: several --sigma-rel lengths need a {{sigma_rel}} in --out, e.g. "
                          f"runs/ph_ema{{sigma_rel}}")
@@ -158,8 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         folders = output_folders(args.out, args.sigma_rel)
-        for s in args.sigma_rel:  # every length checked before the first folder is written
-            gamma_of(s)
         for s, folder in zip(args.sigma_rel, folders):
             info = write_checkpoint(args.run, s, folder, args.step)
             print(f"{folder}: EMA σ_rel {info['sigma_rel']} (γ {info['gamma']:.2f}) at step {info['step']} from "

@@ -418,6 +418,7 @@ class Trainer:
         if self.dist.is_main:
             print(f"resumed {ckpt} at step {self.step}", file=sys.stderr)
 
+
 def _due(step: int, every: int) -> bool:
     """Periodic events; every <= 0 means never (the last step still logs, validates and checkpoints)."""
     return every > 0 and step % every == 0
