@@ -19,18 +19,10 @@ from typing import Any
 
 import torch
 
-from arvdm.errors import ArvdmError
+from arvdm.errors import ArvdmError, ConfigError, SamplingError  # errors importable from here too, as before
 from arvdm.presets import PRESETS  # the named presets' overrides (data only)
+from arvdm.setting_checks import as_number, check_anchor_floor, check_anchor_sigma, check_eta
 from memory.select import recent_frames
-
-
-class ConfigError(ArvdmError):
-    """A configuration value is unknown, of the wrong type, or out of range."""
-
-
-class SamplingError(ArvdmError):
-    """A sampling setting (a sample.py flag) is out of range, or a rollout cannot be run as asked."""
-
 
 SCHEDULE_PRESETS = ("chunked", "fifo", "pyramid")  # names arvdm.schedules.get_schedule builds
 MEMORY_SELECT = ("time", "pose")  # how training chooses memory frames (memory/select.py)
@@ -40,44 +32,6 @@ TEMPORAL_ATTENTION_FORMS = ("factorized", "full")  # per spatial position | all 
 FACTORIZED, FULL = TEMPORAL_ATTENTION_FORMS
 COPY_GATES = ("off", "pixel", "frame", "observed")  # none, per pixel, per frame, per pixel on real last frames
 FROZEN_DRAFT = "frozen"  # speculation's default draft: the target with frozen v (arvdm.speculative.rows)
-
-
-def _number(value: Any) -> float:
-    """float(value); NaN for what is not a number, bools included (float() would take them as 0 / 1)."""
-    try:
-        return float("nan") if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-def check_eta(eta: Any, name: str, error: type[ArvdmError] = ConfigError) -> float:
-    """The one check of DDIM's stochasticity: a number in [0, 1] (0 = DDIM, 1 = DDPM-like); NaN is refused."""
-    if not 0.0 <= (value := _number(eta)) <= 1.0:
-        raise error(f"{name} must be in [0, 1] (0 = DDIM, 1 = DDPM-like), got {eta!r}")
-    return value
-
-
-def check_guidance(weight: Any, name: str, error: type[ArvdmError] = ConfigError) -> float:
-    """The one check of a guidance weight W (history or actions): a finite number (0 = none; NaN / inf refused)."""
-    if not math.isfinite(value := _number(weight)):
-        raise error(f"{name} must be a finite number (0 = no guidance), got {weight!r}")
-    return value
-
-
-def check_anchor_sigma(sigma: Any, name: str, error: type[ArvdmError] = ConfigError) -> float:
-    """The one check of the low-frequency anchor's blur σ (arvdm.pipeline.anchor): a finite number of pixels >= 0
-    (0 = no anchor; NaN / inf refused)."""
-    if not (math.isfinite(value := _number(sigma)) and value >= 0):
-        raise error(f"{name} must be a finite number of pixels >= 0 (0 = no low-frequency anchor), got {sigma!r}")
-    return value
-
-
-def check_anchor_floor(floor: Any, num_levels: int, name: str, error: type[ArvdmError] = ConfigError) -> int:
-    """The one check of the level the anchor's pull stops at: an integer in 0..K-1 (0 = it pulls in every call)."""
-    if isinstance(floor, bool) or not isinstance(floor, int) or not 0 <= floor < num_levels:
-        raise error(f"{name} must be an integer noise level in 0..K-1 = 0..{num_levels - 1} (the anchor pulls in "
-                    f"the calls that start above it; 0 = every call), got {floor!r}")
-    return floor
 
 
 @dataclass
@@ -314,10 +268,10 @@ class TrainConfig:
             _check(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "must be >= 1")
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
-        _check(math.isfinite(_number(self.ema_warmup)) and self.ema_warmup > 1.0, "train.ema_warmup", self.ema_warmup,
+        _check(math.isfinite(as_number(self.ema_warmup)) and self.ema_warmup > 1.0, "train.ema_warmup", self.ema_warmup,
                "must be a number > 1 (the c of the warm-up (1+t)/(c+t))")
         _check(isinstance(self.ema_posthoc, list) and all(
-            isinstance(x, (int, float)) and 0 < _number(x) <= 0.28 for x in self.ema_posthoc),
+            isinstance(x, (int, float)) and 0 < as_number(x) <= 0.28 for x in self.ema_posthoc),
                "train.ema_posthoc", self.ema_posthoc, "must be a list of lengths sigma_rel in (0, 0.28]")
         _check(type(self.ema_posthoc_every) is int and self.ema_posthoc_every >= 1 and (
             not self.ema_posthoc or self.ckpt_every % self.ema_posthoc_every == 0), "train.ema_posthoc_every",
@@ -332,7 +286,7 @@ class TrainConfig:
                    f"train.{key}", v, f"must be in [0, 1) (the share of {what})")
         for key, low in (("rollout_frames", 0), ("rollout_steps", 1)):
             _check(type(v := getattr(self, key)) is int and v >= low, f"train.{key}", v, f"must be an integer >= {low}")
-        _check(0 < _number(self.rollout_share) <= 1, "train.rollout_share", self.rollout_share, "must be in (0, 1]")
+        _check(0 < as_number(self.rollout_share) <= 1, "train.rollout_share", self.rollout_share, "must be in (0, 1]")
 
 
 HYBRID_SELECT = ("online", "offline", "fixed")
@@ -393,8 +347,9 @@ class Config:
                "needs recent memory frames for the generated ones")
         _check(not g or tc.rollout_steps <= k_max + 1, "train.rollout_steps", tc.rollout_steps,
                f"must be <= diffusion.num_levels={k_max + 1}")
-        _check(0 <= _number(tc.copy_gate_loss) < math.inf and (not tc.copy_gate_loss or self.model.copy_gate != "off"),
-               "train.copy_gate_loss", tc.copy_gate_loss, "must be a finite number >= 0; > 0 needs model.copy_gate")
+        gate_loss = as_number(tc.copy_gate_loss)
+        _check(0 <= gate_loss < math.inf and (not gate_loss or self.model.copy_gate != "off"), "train.copy_gate_loss",
+               tc.copy_gate_loss, "must be a finite number >= 0; > 0 needs model.copy_gate")
         _check(type(tc.copy_gate_detach) is bool and (not tc.copy_gate_detach or tc.copy_gate_loss > 0),
                "train.copy_gate_detach", tc.copy_gate_detach, "must be true or false; true needs copy_gate_loss > 0")
         return self

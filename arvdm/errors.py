@@ -24,6 +24,14 @@ class ArvdmError(ValueError):
     """Base of arvdm's user-facing errors: bad config, flag, schedule, checkpoint, grid or run folder."""
 
 
+class ConfigError(ArvdmError):
+    """A configuration value is unknown, of the wrong type, or out of range."""
+
+
+class SamplingError(ArvdmError):
+    """A sampling setting (a sample.py flag) is out of range, or a rollout cannot be run as asked."""
+
+
 USER_ERRORS: tuple[type[BaseException], ...] = (ArvdmError, DataError, RetentionError, OSError)
 
-__all__ = ["USER_ERRORS", "ArvdmError", "DataError", "RetentionError"]
+__all__ = ["USER_ERRORS", "ArvdmError", "ConfigError", "DataError", "RetentionError", "SamplingError"]

@@ -17,11 +17,9 @@ from arvdm.config import (
     SCHEDULE_PRESETS,
     Config,
     SamplingError,
-    check_anchor_sigma,
-    check_eta,
-    check_guidance,
     parse_device,
 )
+from arvdm.setting_checks import check_anchor_sigma, check_eta, check_guidance
 from memory.select import SELECTIONS  # how a pose-aware run may choose memory at sampling
 
 __all__ = ["SampleSettings"]

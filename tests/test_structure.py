@@ -33,7 +33,7 @@ MAY_IMPORT = {"arvdm": {"arvdm", "memory", "kernels", "data"}, "memory": {"memor
               "benchmarks": {"benchmarks", *PACKAGES}, "train": set(PACKAGES), "sample": set(PACKAGES)}
 # Inside arvdm, a module may import its own unit and the units of lower layers.
 ARVDM_LAYERS = (
-    ("arvdm.config", "arvdm.presets", "arvdm.errors", "arvdm.runtime", "arvdm.checks"),
+    ("arvdm.config", "arvdm.presets", "arvdm.errors", "arvdm.runtime", "arvdm.checks", "arvdm.setting_checks"),
     ("arvdm.model", "arvdm.schedules", "arvdm.evaluation", "arvdm.sample_settings"),
     ("arvdm.pipeline",),
     ("arvdm.hybrid", "arvdm.speculative", "arvdm.training"),
@@ -42,7 +42,9 @@ ARVDM_LAYERS = (
 )
 SAME_LAYER_ALLOWED = {
     ("arvdm.config", "arvdm.errors"), ("arvdm.runtime", "arvdm.errors"),  # the base raises ArvdmErrors too
-    ("arvdm.checks", "arvdm.errors"), ("arvdm.config", "arvdm.presets"),  # config reads the presets' data
+    ("arvdm.checks", "arvdm.errors"), ("arvdm.setting_checks", "arvdm.errors"),
+    ("arvdm.config", "arvdm.presets"),  # config reads the presets' data
+    ("arvdm.config", "arvdm.setting_checks"),  # config's keys share their checks with the CLIs' flags
     ("arvdm.training", "arvdm.hybrid"),  # training fine-tunes hybrid models
 }
 

@@ -21,7 +21,8 @@ import torch
 from diffusers import DDPMScheduler
 
 from arvdm.checks import value_checks_enabled
-from arvdm.config import DiffusionConfig, check_eta
+from arvdm.config import DiffusionConfig
+from arvdm.setting_checks import check_eta
 
 __all__ = ["PerFrameDiffusion"]
 

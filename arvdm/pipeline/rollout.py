@@ -50,12 +50,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from arvdm.config import SamplingError, check_eta, check_guidance
+from arvdm.config import SamplingError
 from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.pipeline.anchor import LowFrequencyAnchor
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.rows import Generators, PlainRows, RolloutContext, RolloutStep, RowRunner
 from arvdm.schedules.matrix import ARSchedule, check_context_level
+from arvdm.setting_checks import check_eta, check_guidance
 from memory import make_bank
 
 __all__ = ["rollout", "episode_generators", "candidate_generators", "medoid"]
