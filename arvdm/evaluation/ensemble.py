@@ -14,7 +14,7 @@ knows more. This module separates the two. For each span of generated frames (fi
     mean of K      the per-pixel mean of the K rollouts scored against the truth (an ensemble, not a rollout)
     model mean     the model's own conditional mean, K -> infinity: per pixel, (mean of K - truth)^2 minus the
                    samples' unbiased variance / K (the bias-variance split E[(m_K - x)^2] = bias^2 + var/K),
-                   floored at 0, averaged over each frame, as PSNR
+                   averaged over each frame, that frame's figure floored at 0, as PSNR
     agreement      the mean PSNR of every pair of rollouts against each other (how alike the samples are)
 
 with the sharpness of one sample and of the mean of K (the spatial-gradient ratio generated / true summed over
@@ -80,7 +80,7 @@ def _mse_to_psnr(mse: Tensor, data_range: float = 2.0) -> Tensor:
 def model_mean_psnr(gen: Tensor, truth: Tensor) -> Tensor:
     """(B, N) PSNR of the model's own conditional mean, estimated from K samples gen (K, B, N, C, H, W) of the truth
     (B, N, C, H, W): per pixel (m_K - x)^2 - s^2 / K with s^2 the unbiased variance over the K samples (so
-    E = bias^2: the mean's error as K grows without bound), floored at 0, averaged over C, H, W; capped."""
+    E = bias^2: the mean's error as K grows without bound), averaged over C, H, W, then floored at 0; capped."""
     k = gen.shape[0]
     if k < 2:
         raise ValueError(f"model_mean_psnr: needs K >= 2 samples to estimate their variance, got {k}")
