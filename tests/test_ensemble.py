@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from arvdm.evaluation.compare import RolloutFileError
-from arvdm.evaluation.ensemble import PAIRS, ensemble_report, episode_poses, main, model_mean_psnr, shrink_frontier
+from arvdm.evaluation.ensemble import (
+    PAIRS,
+    ensemble_difference,
+    ensemble_report,
+    episode_poses,
+    main,
+    model_mean_psnr,
+    shrink_frontier,
+)
 from arvdm.evaluation.metrics import PSNR_CAP
 from data.episodes import write_episode
 
@@ -179,3 +187,45 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert "2 rollouts of 3 episodes" in out and "17-64" in out and "lambda" in out
     saved = json.loads((tmp_path / "e.json").read_text())
     assert saved["spans"][3]["mean_of_k"] == pytest.approx(PSNR_CAP)
+
+
+def test_against_pairs_two_models_means_and_spreads(tmp_path):
+    """A: two samples either side of the truth (its mean exact); B: two identical samples off by D (all bias, no
+    spread). One sample ties; A's mean and own mean are at the cap, B's at ONE_OFF; B's samples agree perfectly."""
+    real = episodes()
+    for name, offset in (("a1", D), ("a2", -D), ("b1", D), ("b2", D)):
+        write_rollout(tmp_path / name, real, offset)
+    r = ensemble_difference([tmp_path / "a1", tmp_path / "a2"], [tmp_path / "b1", tmp_path / "b2"], n_boot=200)
+    assert (r["k_a"], r["k_b"], r["episodes"]) == (2, 2, EPISODES)
+    assert [s["span"] for s in r["spans"]] == ["first 1", "first 4", "5-16", "17-64", "65-120"]
+    for s in r["spans"]:
+        assert s["one_sample"]["mean"] == pytest.approx(0, abs=1e-4)
+        for name in ("mean_of_k", "model_mean"):
+            assert s[name]["mean"] == pytest.approx(PSNR_CAP - ONE_OFF, abs=1e-3)
+            assert s[name]["mean_a"] == pytest.approx(PSNR_CAP)
+            assert s[name]["mean_b"] == pytest.approx(ONE_OFF, abs=1e-3)
+        assert s["agreement"]["mean"] == pytest.approx(ONE_OFF - 20 * math.log10(2) - PSNR_CAP, abs=1e-3)
+        assert s["agreement"]["lo"] <= s["agreement"]["mean"] <= s["agreement"]["hi"]
+    swapped = ensemble_difference([tmp_path / "b1", tmp_path / "b2"], [tmp_path / "a1", tmp_path / "a2"], n_boot=200)
+    assert swapped["spans"][3]["model_mean"]["mean"] == pytest.approx(-r["spans"][3]["model_mean"]["mean"])
+
+
+def test_against_other_episodes_is_refused_and_the_cli_prints_the_difference(tmp_path, capsys):
+    real = episodes()
+    for name, offset in (("a1", D), ("a2", -D), ("b1", D), ("b2", D)):
+        write_rollout(tmp_path / name, real, offset)
+    write_rollout(tmp_path / "o1", episodes(1), D)
+    write_rollout(tmp_path / "o2", episodes(1), -D)
+    a = [str(tmp_path / "a1"), str(tmp_path / "a2")]
+    with pytest.raises(RolloutFileError, match="--against"):
+        ensemble_difference(a, [tmp_path / "o1", tmp_path / "o2"], n_boot=200)
+    assert main([*a, "--against", str(tmp_path / "o1"), str(tmp_path / "o2"), "--boot", "200"]) == 2
+    assert "--against" in capsys.readouterr().err
+    assert main([*a, "--against", str(tmp_path / "b1"), "--boot", "200"]) == 2  # one folder: no spread to estimate
+    assert "at least 2" in capsys.readouterr().err
+    js = tmp_path / "e.json"
+    assert main([*a, "--against", str(tmp_path / "b1"), str(tmp_path / "b2"), "--boot", "200", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "A (2 rollouts) - B (2 rollouts) of the same 3 episodes" in out and "model mean" in out
+    against = json.loads(js.read_text())["against"]
+    assert against["spans"][3]["mean_of_k"]["mean"] == pytest.approx(PSNR_CAP - ONE_OFF, abs=1e-3)

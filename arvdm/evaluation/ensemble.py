@@ -95,6 +95,22 @@ def _agreement(gen: Tensor) -> Tensor:
     return torch.stack(pairs).mean(0)
 
 
+MODEL_CURVES = ("one_sample", "mean_of_k", "model_mean", "agreement")  # what a model's K samples are scored by
+_CURVE_LABELS = {"one_sample": "one sample", "mean_of_k": "mean of K", "model_mean": "model mean",
+                 "agreement": "agreement"}
+
+
+def model_curves(gen: Tensor, truth: Tensor) -> dict[str, Tensor]:
+    """``MODEL_CURVES`` as (B, N) PSNR curves, capped, of K samples gen (K, B, N, C, H, W) of the truth (B, N, C, H,
+    W): one sample (each scored alone, averaged over the K), the per-pixel mean of the K, the model's own mean
+    (`model_mean_psnr`) and the samples' agreement."""
+    def psnr(frames: Tensor) -> Tensor:
+        return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP)
+
+    return {"one_sample": torch.stack([psnr(g) for g in gen]).mean(0), "mean_of_k": psnr(gen.mean(0)),
+            "model_mean": model_mean_psnr(gen, truth), "agreement": _agreement(gen)}
+
+
 def episode_poses(data: str | Path, split: str | None, real: Tensor) -> Tensor:
     """The poses (B, T, 3) of the first B episodes of ``data[/split]``, checked to be the episodes of ``real`` (B, T,
     C, H, W in [-1, 1], as ``read_rollout`` gives it): their first T frames must equal the rollout's ground truth."""
@@ -179,9 +195,7 @@ def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, in
         return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP)
 
     mean_k = gen.mean(0)  # (B, N, C, H, W) the per-pixel mean of the K samples
-    curves = {"one_sample": torch.stack([psnr(g) for g in gen]).mean(0), "mean_of_k": psnr(mean_k),
-              "model_mean": model_mean_psnr(gen, truth), "agreement": _agreement(gen),
-              "copy_last": psnr(baseline_frames(real, context, n, "copy_last")),
+    curves = {**model_curves(gen, truth), "copy_last": psnr(baseline_frames(real, context, n, "copy_last")),
               "context_mean": psnr(baseline_frames(real, context, n, "context_mean"))}
     curves = {name: c.double().numpy() for name, c in curves.items()}  # (B, N) each
     grad_real = spatial_gradient_per_frame(truth)  # (B, N) the ratios' denominator
@@ -223,6 +237,49 @@ def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, in
     frontier = shrink_frontier(gen, truth, torch.from_numpy(curves["context_mean"]), spans, shrinks)
     return {"folders": [str(f) for f in folders], "k": k, "episodes": b, "context": context, "generated": n,
             "spans": rows, "context_views": views, "shrink": frontier}
+
+
+def ensemble_difference(folders_a: Sequence[str | Path], folders_b: Sequence[str | Path],
+                        spans: Sequence[tuple[str, int, int]] = DEFAULT_SPANS, n_boot: int = 2000,
+                        seed: int = 0) -> dict[str, Any]:
+    """Two models' ensembles of the same episodes (K_A and K_B >= 2 sample.py folders), paired by episode: for each
+    span and each of ``MODEL_CURVES``, A - B with a 95% interval (episodes resampled). Is A's own mean closer to the
+    truth than B's, or are A's samples only more alike? RolloutFileError when the two sets roll out other episodes.
+
+    Returns ``{"a", "b", "k_a", "k_b", "episodes", "spans": [{"span", "start", "end", name: {mean, lo, hi, mean_a,
+    mean_b} for name in MODEL_CURVES}]}``.
+    """
+    real, gen_a, context = _load_all(folders_a)
+    real_b, gen_b, context_b = _load_all(folders_b)
+    if real_b.shape != real.shape or context_b != context or not torch.equal(real_b, real):
+        raise RolloutFileError(f"--against {folders_b[0]} does not roll out the ground truth of {folders_a[0]} "
+                               f"(shape {tuple(real_b.shape)} / {tuple(real.shape)}, context {context_b} / "
+                               f"{context}): give both models' rollouts of the same episodes, context and frames")
+    truth = real[:, context:]  # (B, N, C, H, W)
+    a, b = (model_curves(g[:, :, context:], truth) for g in (gen_a, gen_b))  # each name -> (B, N)
+    episodes, n = truth.shape[:2]
+    episode = np.broadcast_to(np.arange(episodes)[:, None], (episodes, n))  # (B, N): each frame's episode
+    rows = []
+    for name, lo, hi in spans:
+        if lo >= n:
+            continue
+        hi = min(hi, n)
+        diffs = {key: paired_difference(a[key][:, lo:hi].double().numpy(), b[key][:, lo:hi].double().numpy(),
+                                        episode[:, lo:hi], n_boot, seed) for key in MODEL_CURVES}
+        rows.append({"span": name, "start": lo, "end": hi,
+                     **{key: {f: d[f] for f in ("mean", "lo", "hi", "mean_a", "mean_b")} for key, d in diffs.items()}})
+    return {"a": [str(f) for f in folders_a], "b": [str(f) for f in folders_b], "k_a": gen_a.shape[0],
+            "k_b": gen_b.shape[0], "episodes": episodes, "spans": rows}
+
+
+def format_difference(result: dict[str, Any]) -> str:
+    """``ensemble_difference`` as the CLI prints it under ``--against``."""
+    lines = [f"A ({result['k_a']} rollouts) - B ({result['k_b']} rollouts) of the same {result['episodes']} episodes, "
+             "paired by episode; PSNR dB, A - B with a 95% interval (episodes resampled)",
+             f"{'frames':>12}  " + "  ".join(f"{_CURVE_LABELS[name]:<22}" for name in MODEL_CURVES)]
+    lines += [f"{r['span']:>12}  " + "  ".join(f"{format_interval(r[name]):<22}" for name in MODEL_CURVES)
+              for r in result["spans"]]
+    return "\n".join(lines)
 
 
 def format_ensemble(result: dict[str, Any]) -> str:
@@ -278,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--boot", type=int, default=2000, help="bootstrap resamples (default 2000)")
     p.add_argument("--shrink", default=",".join(f"{x:g}" for x in SHRINKS),
                    help="blend weights lambda of the PSNR-sharpness frontier, comma-separated, each in [0, 1]")
+    p.add_argument("--against", nargs="+", default=None, metavar="B",
+                   help="K >= 2 folders of another model's rollouts of the same episodes: also print A - B per span "
+                        "(one sample, mean of K, model mean, agreement), paired by episode")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     args = p.parse_args(argv)
     try:
@@ -289,12 +349,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             real, _ = read_rollout(args.folders[0])
             poses = episode_poses(args.data, args.split, real)
         result = ensemble_report(args.folders, poses=poses, n_boot=args.boot, shrinks=shrinks)
+        if args.against:
+            result["against"] = ensemble_difference(args.folders, args.against, n_boot=args.boot)
         if args.json:
             atomic_write_json(args.json, result)
     except USER_ERRORS as e:
         print(f"ensemble: error: {e}", file=sys.stderr)
         return 2
     print(format_ensemble(result))
+    if args.against:
+        print(format_difference(result["against"]))
     return 0
 
 
