@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,18 @@ def _mse_to_psnr(mse: Tensor, data_range: float = 2.0) -> Tensor:
     return (10 * torch.log10(data_range ** 2 / mse.clamp(min=1e-12))).clamp(max=PSNR_CAP)
 
 
+def _capped_psnr(fake: Tensor, real: Tensor) -> Tensor:
+    """(B, N) PSNR per frame of two (B, N, C, H, W) videos, capped at PSNR_CAP (a frame equal to its truth: the cap)."""
+    return psnr_per_frame(fake, real).clamp(max=PSNR_CAP)
+
+
+def _spans_within(spans: Sequence[tuple[str, int, int]], n: int) -> Iterator[tuple[str, int, int]]:
+    """The spans that start within n generated frames, each clipped to them."""
+    for name, lo, hi in spans:
+        if lo < n:
+            yield name, lo, min(hi, n)
+
+
 def model_mean_psnr(gen: Tensor, truth: Tensor) -> Tensor:
     """(B, N) PSNR of the model's own conditional mean, estimated from K samples gen (K, B, N, C, H, W) of the truth
     (B, N, C, H, W): per pixel (m_K - x)^2 - s^2 / K with s^2 the unbiased variance over the K samples (so
@@ -91,7 +103,7 @@ def model_mean_psnr(gen: Tensor, truth: Tensor) -> Tensor:
 
 def _agreement(gen: Tensor) -> Tensor:
     """(B, N) mean PSNR of every pair of the K samples (K, B, N, C, H, W) against each other, each pair capped."""
-    pairs = [psnr_per_frame(gen[i], gen[j]).clamp(max=PSNR_CAP) for i, j in itertools.combinations(range(len(gen)), 2)]
+    pairs = [_capped_psnr(gen[i], gen[j]) for i, j in itertools.combinations(range(len(gen)), 2)]
     return torch.stack(pairs).mean(0)
 
 
@@ -104,10 +116,8 @@ def model_curves(gen: Tensor, truth: Tensor) -> dict[str, Tensor]:
     """``MODEL_CURVES`` as (B, N) PSNR curves, capped, of K samples gen (K, B, N, C, H, W) of the truth (B, N, C, H,
     W): one sample (each scored alone, averaged over the K), the per-pixel mean of the K, the model's own mean
     (`model_mean_psnr`) and the samples' agreement."""
-    def psnr(frames: Tensor) -> Tensor:
-        return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP)
-
-    return {"one_sample": torch.stack([psnr(g) for g in gen]).mean(0), "mean_of_k": psnr(gen.mean(0)),
+    return {"one_sample": torch.stack([_capped_psnr(g, truth) for g in gen]).mean(0),
+            "mean_of_k": _capped_psnr(gen.mean(0), truth),
             "model_mean": model_mean_psnr(gen, truth), "agreement": _agreement(gen)}
 
 
@@ -161,16 +171,14 @@ def shrink_frontier(gen: Tensor, truth: Tensor, context_mean: Tensor, spans: Seq
     out = []
     for lam in shrinks:
         blends = others + float(lam) * (gen - others)  # (K, B, N, C, H, W)
-        psnr = torch.stack([psnr_per_frame(x, truth).clamp(max=PSNR_CAP) for x in blends]).double()  # (K, B, N)
+        psnr = torch.stack([_capped_psnr(x, truth) for x in blends]).double()  # (K, B, N)
         grads = [spatial_gradient_per_frame(x) for x in blends]  # K x (B, N)
         rows = {}
-        for name, lo, hi in spans:
-            if lo < n:
-                hi = min(hi, n)
-                rows[name] = {"psnr": float(psnr[:, :, lo:hi].mean()),
-                              "minus_context_mean": float(psnr[:, :, lo:hi].mean() - context_mean[:, lo:hi].mean()),
-                              "gradient_ratio": float(np.mean([summed_gradient_ratio(g, grad_real, lo, hi)
-                                                               for g in grads]))}
+        for name, lo, hi in _spans_within(spans, n):
+            rows[name] = {"psnr": float(psnr[:, :, lo:hi].mean()),
+                          "minus_context_mean": float(psnr[:, :, lo:hi].mean() - context_mean[:, lo:hi].mean()),
+                          "gradient_ratio": float(np.mean([summed_gradient_ratio(g, grad_real, lo, hi)
+                                                           for g in grads]))}
         out.append({"lambda": float(lam), "spans": rows})
     return out
 
@@ -191,12 +199,9 @@ def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, in
     k, b, n = fakes.shape[0], real.shape[0], real.shape[1] - context
     truth, gen = real[:, context:], fakes[:, :, context:]  # (B, N, ...), (K, B, N, ...)
 
-    def psnr(frames: Tensor) -> Tensor:  # (B, N) capped
-        return psnr_per_frame(frames, truth).clamp(max=PSNR_CAP)
-
     mean_k = gen.mean(0)  # (B, N, C, H, W) the per-pixel mean of the K samples
-    curves = {**model_curves(gen, truth), "copy_last": psnr(baseline_frames(real, context, n, "copy_last")),
-              "context_mean": psnr(baseline_frames(real, context, n, "context_mean"))}
+    curves = {**model_curves(gen, truth), **{name: _capped_psnr(baseline_frames(real, context, n, name), truth)
+                                             for name in ("copy_last", "context_mean")}}
     curves = {name: c.double().numpy() for name, c in curves.items()}  # (B, N) each
     grad_real = spatial_gradient_per_frame(truth)  # (B, N) the ratios' denominator
     grad_one = [spatial_gradient_per_frame(g) for g in gen]  # K x (B, N)
@@ -211,10 +216,7 @@ def ensemble_report(folders: Sequence[str | Path], spans: Sequence[tuple[str, in
         return out
 
     rows = []
-    for name, lo, hi in spans:
-        if lo >= n:
-            continue
-        hi = min(hi, n)
+    for name, lo, hi in _spans_within(spans, n):
         mask = np.zeros((b, n), dtype=bool)
         mask[:, lo:hi] = True
         sharp = {"gradient_ratio_one_sample": float(np.mean([summed_gradient_ratio(g, grad_real, lo, hi)
@@ -260,10 +262,7 @@ def ensemble_difference(folders_a: Sequence[str | Path], folders_b: Sequence[str
     episodes, n = truth.shape[:2]
     episode = np.broadcast_to(np.arange(episodes)[:, None], (episodes, n))  # (B, N): each frame's episode
     rows = []
-    for name, lo, hi in spans:
-        if lo >= n:
-            continue
-        hi = min(hi, n)
+    for name, lo, hi in _spans_within(spans, n):
         diffs = {key: paired_difference(a[key][:, lo:hi].double().numpy(), b[key][:, lo:hi].double().numpy(),
                                         episode[:, lo:hi], n_boot, seed) for key in MODEL_CURVES}
         rows.append({"span": name, "start": lo, "end": hi,
