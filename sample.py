@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with an anchor: pull only in the denoising calls that start above noise level L (the last "
                         "details drawn freely, sharper frames); 0 = every call (default: the run's "
                         "diffusion.anchor_floor, 100 for tiny)")
+    p.add_argument("--anchor-runs", default="", metavar="RUN,RUN",
+                   help="other runs of the same config (e.g. training seeds) whose level-K predictions are averaged "
+                        "with this run's into the anchor; this run draws the rest (docs/sampling.md)")
     p.add_argument("--seed", type=int, default=0, help="noise seed (episode e draws from its own generator, "
                    "seeded by (seed, e))")
     p.add_argument("--data", default=None, help="TECO-layout data folder (default: the run's)")
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                               context_level=args.context_level, history_guidance=args.history_guidance,
                               action_guidance=args.action_guidance,
                               candidates=args.candidates, anchor_sigma=args.anchor_sigma,
-                              anchor_floor=args.anchor_floor)
+                              anchor_floor=args.anchor_floor,
+                              anchor_runs=tuple(r for r in args.anchor_runs.split(",") if r))
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads

@@ -54,6 +54,8 @@ class SampleSettings:
     #   None = the run's diffusion.anchor_sigma (0 with --speculate)
     anchor_floor: int | None = None  # the anchor pulls in calls that start above this level only; 0 = every call;
     #   None = the run's diffusion.anchor_floor (0 when there is no anchor)
+    anchor_runs: tuple[str, ...] = ()  # other runs of the same config whose level-K v is averaged into the anchor
+    #   (arvdm.pipeline.anchor.AnchorEnsemble); () = the sampled run's alone
     speculate: str | None = None  # None | "ucb" | "exp3" | "fixed:L": exact speculative rows (needs eta > 0)
     draft: str = FROZEN_DRAFT  # "frozen" or the folder of a smaller trained run used as the draft
     lookaheads: tuple[int, ...] = (1, 2, 3, 4)  # the bandits' arms (L = 1: no speculation)
@@ -82,6 +84,7 @@ class SampleSettings:
         if self.anchor_floor and self.anchor_sigma == 0:
             raise SamplingError(f"--anchor-floor {self.anchor_floor} needs --anchor-sigma > 0 (it is the level the "
                                 "anchor's pull stops at; without an anchor there is nothing to stop)")
+        self._check_anchor_runs()
         if self.candidates > 1 and (self.speculate or self.memory_select == "other"):
             raise SamplingError(f"--candidates {self.candidates} cannot go with --speculate or --memory-select other "
                                 "(speculative rows keep per-sample state; 'other' reads the neighbouring sample)")
@@ -92,6 +95,17 @@ class SampleSettings:
             raise SamplingError(f"--data {self.data}: folder does not exist")
         parse_device(self.device)
         return self
+
+    def _check_anchor_runs(self) -> None:
+        if not self.anchor_runs:
+            return
+        runs = ",".join(map(str, self.anchor_runs))
+        if self.speculate or self.anchor_sigma == 0:
+            raise SamplingError(f"--anchor-runs {runs} needs an anchor (--anchor-sigma > 0, the run's by default) "
+                                "and cannot go with --speculate: the runs' mean only sets the anchor")
+        for run in self.anchor_runs:
+            if not Path(run).is_dir():
+                raise SamplingError(f"--anchor-runs: {run}: no such run folder")
 
     def with_run_defaults(self, cfg: Config) -> SampleSettings:
         """These settings with every "None = the run's" field filled from the run's config (``cfg.diffusion``), as

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import sample
 from arvdm.config import apply_overrides, get_preset
@@ -233,3 +234,42 @@ def test_anchor_sigma_reaches_the_rollout_and_is_recorded(run, tmp_path, capsys)
     assert json.loads((tmp_path / "anchored" / "eval.json").read_text())["settings"]["anchor_sigma"] == 1.0
     assert sample.main([*flags, "--anchor-sigma", "1", "--anchor-floor", "100000", "--out", str(tmp_path / "x")]) == 2
     assert "--anchor-floor must be an integer noise level in 0..K-1" in capsys.readouterr().err
+
+
+def test_anchor_runs_reach_the_rollout_and_are_recorded(run, tmp_path, capsys):
+    """--anchor-runs: the run with itself samples as alone (uint8, bit for bit); a run with other weights of the same
+    config moves the frames and lands in eval.json; another config, or a folder without a checkpoint, exits 2
+    naming the flag (the averaging rule is tested in test_anchor_ensemble.py)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    run_dir, _ = run
+    other, odd, empty = tmp_path / "other", tmp_path / "odd", tmp_path / "empty"
+    shutil.copytree(run_dir, other)
+    for path in other.rglob("ema.safetensors"):  # another "training seed": the same config, other weights
+        g = torch.Generator().manual_seed(0)
+        save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_file(path).items()}, path)
+    shutil.copytree(run_dir, odd)
+    for path in odd.rglob("config.json"):
+        cfg = json.loads(path.read_text())
+        cfg["memory"]["length"] += 1
+        path.write_text(json.dumps(cfg))
+    empty.mkdir()
+    flags = ["--run", str(run_dir), "--frames", "8", "--context", "4", "--episodes", "2", "--steps", "3",
+             "--anchor-sigma", "1", "--eval"]
+
+    def fake(out, *extra):
+        assert sample.main([*flags, "--out", str(tmp_path / out), *extra]) == 0
+        return np.load(tmp_path / out / "rollout.npz")["fake"][:, 4:].astype(np.int16)
+
+    alone = fake("alone")
+    np.testing.assert_array_equal(fake("itself", "--anchor-runs", str(run_dir)), alone)
+    assert np.abs(fake("pair", "--anchor-runs", str(other)) - alone).mean() > 1
+    assert json.loads((tmp_path / "pair" / "eval.json").read_text())["settings"]["anchor_runs"] == [str(other)]
+    assert sample.main([*flags, "--anchor-runs", f"{other},{odd}", "--out", str(tmp_path / "x")]) == 2
+    assert f"--anchor-runs {odd}: memory.length is" in capsys.readouterr().err
+    assert sample.main([*flags, "--anchor-runs", str(empty), "--out", str(tmp_path / "y")]) == 2
+    assert f"--anchor-runs {empty}: " in capsys.readouterr().err
+    assert sample.main([*flags, "--anchor-runs", str(other), "--anchor-sigma", "0", "--out", str(tmp_path / "z")]) == 2
+    assert "needs an anchor" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

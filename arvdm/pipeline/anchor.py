@@ -28,6 +28,13 @@ whose frames enter at K at different rows, anchor every frame to its own first p
 A run's own anchor is its ``diffusion.anchor_sigma`` / ``anchor_floor`` (the tiny preset: 1 px above level 100),
 which ``rollout`` uses when given None; the experiments' CLIs take sample.py's flags through
 :func:`add_anchor_flags` and :func:`use_anchor`.
+
+The anchor is only as good as the level-K prediction, and that prediction is where training seeds differ most
+(benchmarks/RESULTS.md: one seed of the main job lags the others by 0.6 dB over frames 17–64 at equal sharpness).
+:class:`AnchorEnsemble` (``sample.py --anchor-runs RUN,...``) averages the level-K v of several runs of the same
+configuration, so the anchor is their mean's, while the sampled run alone draws every later call::
+
+    model = AnchorEnsemble(model, [load_for_inference("runs/seed1")[0], load_for_inference("runs/seed2")[0]])
 """
 
 from __future__ import annotations
@@ -38,10 +45,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from arvdm.errors import SamplingError
 from arvdm.model.diffusion import PerFrameDiffusion
 
-__all__ = ["LowFrequencyAnchor", "add_anchor_flags", "gaussian_lowpass", "use_anchor"]
+__all__ = ["AnchorEnsemble", "LowFrequencyAnchor", "add_anchor_flags", "gaussian_lowpass", "use_anchor"]
+
+# what the members of an AnchorEnsemble must share with the sampled run (the rest, e.g. train.seed, may differ)
+SHARED_SECTIONS = ("model", "memory")
+SHARED_DIFFUSION = ("num_levels", "beta_schedule", "prediction_type")
 
 
 def add_anchor_flags(parser: argparse.ArgumentParser) -> None:
@@ -117,3 +130,67 @@ class LowFrequencyAnchor:
         """Keep rows ``index`` (B,) of the batch, as the rollout did with its windows."""
         if self.anchor is not None:
             self.anchor, self.held = self.anchor[index], self.held[index]
+
+
+class AnchorEnsemble(nn.Module):
+    """A rollout model (:class:`arvdm.pipeline.rollout_model.RolloutModel`) made of the sampled run's denoiser and
+    the denoisers of other runs of the same configuration (e.g. other training seeds; ``sample.py --anchor-runs``).
+
+    For a frame at level K, the one call where its x̂0 is a conditional mean and becomes its anchor, v is the mean
+    of every member's v (so x̂0 = √ᾱ x − √(1−ᾱ) v̄ is the members' mean prediction); every other frame's v is the
+    first member's alone. So with the anchor on, a frame's low frequencies are the ensemble's conditional mean and
+    its details the sampled run's samples. Each member keeps its own KV caches and memory bank (``state`` is one
+    per member) and is committed the same frames. The extra cost is one call per member in each call that has a
+    frame at level K (1 in ``--steps`` calls on the chunked schedule) and their commits. Without an anchor only
+    the first step from K changes; the sampler refuses that (``--anchor-runs`` needs ``--anchor-sigma > 0``).
+    """
+
+    def __init__(self, model: nn.Module, others: list[nn.Module], names: list[str] | None = None,
+                 flag: str = "--anchor-runs"):
+        super().__init__()
+        if not others:
+            raise SamplingError(f"{flag}: give at least one other run")
+        names = names or [f"member {i + 1}" for i in range(len(others))]
+        mine = model.cfg.to_dict()
+        for name, other in zip(names, others):
+            theirs = other.cfg.to_dict()
+            for section in SHARED_SECTIONS:
+                _check_same(mine[section], theirs[section], section, name, flag)
+            _check_same({k: mine["diffusion"][k] for k in SHARED_DIFFUSION},
+                        {k: theirs["diffusion"][k] for k in SHARED_DIFFUSION}, "diffusion", name, flag)
+        self.members = nn.ModuleList([model, *others])
+        self.cfg = model.cfg
+        self.frames_per_chunk = model.frames_per_chunk
+        self.num_levels = model.cfg.diffusion.num_levels
+
+    def check_schedule(self, delta: int, window: int) -> None:
+        for m in self.members:
+            m.check_schedule(delta, window)
+
+    def init_state(self, batch_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+        return [m.init_state(batch_size, *args, **kwargs) for m in self.members]
+
+    def commit(self, state: list[Any], *args: Any, **kwargs: Any) -> None:
+        for m, s in zip(self.members, state):
+            m.commit(s, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor, levels: torch.Tensor, actions: torch.Tensor, *, memory: Any = None,
+                state: list[Any] | None = None, **kwargs: Any) -> torch.Tensor:
+        states = state if state is not None else [None] * len(self.members)
+        v = self.members[0](x, levels, actions, memory=memory, state=states[0], **kwargs)  # (B, w, C, H, W)
+        top = levels == self.num_levels  # (B, w): frames whose x̂0 is their anchor
+        if not bool(top.any()):  # most calls: the sampled run alone
+            return v
+        total = v.clone()
+        for m, s in zip(self.members[1:], states[1:]):
+            total += m(x, levels, actions, memory=memory, state=s, **kwargs)
+        return torch.where(top[..., None, None, None], total / len(self.members), v)
+
+
+def _check_same(mine: dict[str, Any], theirs: dict[str, Any], section: str, name: str, flag: str) -> None:
+    """Refuse a member whose ``section`` settings differ from the sampled run's, naming the first key that does."""
+    for key in sorted(set(mine) | set(theirs)):
+        if mine.get(key) != theirs.get(key):
+            raise SamplingError(f"{flag} {name}: {section}.{key} is {theirs.get(key)!r} but the sampled run's is "
+                                f"{mine.get(key)!r}; the anchor's runs must share the sampled run's model, memory "
+                                f"and diffusion settings (other training seeds of the same config)")
