@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from arvdm.hybrid.convert import describe
     from arvdm.sample_settings import SampleSettings
     from arvdm.sampling import sample_run
+    from arvdm.setting_checks import parse_anchor_runs
 
     settings = SampleSettings(frames=args.frames, schedule=args.schedule, steps=args.steps, context=args.context,
                               episodes=args.episodes, batch_size=args.batch_size, eta=args.eta, seed=args.seed,
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                               action_guidance=args.action_guidance,
                               candidates=args.candidates, anchor_sigma=args.anchor_sigma,
                               anchor_floor=args.anchor_floor,
-                              anchor_runs=tuple(r for r in args.anchor_runs.split(",") if r))
+                              anchor_runs=parse_anchor_runs(args.anchor_runs))
     out = args.out or str(Path(args.run) / "samples" / Path(args.schedule).stem)
     try:
         settings.validate()  # every flag, before the model loads

@@ -36,7 +36,6 @@ import torch
 
 from arvdm.config import FROZEN_DRAFT as FROZEN
 from arvdm.config import Config, SamplingError, parse_device
-from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.baselines import compare_with_baselines
 from arvdm.evaluation.evaluate import evaluate_rollout, write_eval_json
 from arvdm.evaluation.holdup import hold_up
@@ -45,7 +44,7 @@ from arvdm.evaluation.revisit_score import revisit_score
 from arvdm.hybrid.convert import HybridModel, wrap_for_sampling
 from arvdm.model.checkpoint import resolve_data_path
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.anchor import AnchorEnsemble
+from arvdm.pipeline.anchor import with_anchor_runs
 from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.rollout_model import RolloutModel
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
@@ -84,9 +83,9 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     if settings.compile:
         model = compile_for_sampling(model)
-    if settings.anchor_runs:  # the anchor from several runs' level-K predictions (arvdm.pipeline.anchor)
-        model = AnchorEnsemble(model, [_anchor_run(r, settings.use_ema, device) for r in settings.anchor_runs],
-                               names=list(settings.anchor_runs))
+    # the anchor from several runs' level-K predictions (arvdm.pipeline.anchor); the model itself without --anchor-runs
+    model = with_anchor_runs(model, settings.anchor_runs, settings.anchor_sigma, use_ema=settings.use_ema,
+                             device=device)
     if settings.context_level is not None:
         check_context_level(settings.context_level, cfg.diffusion.num_levels, "--context-level")
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps,
@@ -129,14 +128,6 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
             "config": cfg.to_dict(), **({"hybrid": summary["hybrid"]} if "hybrid" in summary else {})})
         summary["max_psnr_decay"] = result["max_psnr_decay"]
     return {"paths": {k: str(v) for k, v in paths.items()}, "summary": summary}
-
-
-def _anchor_run(run: str, use_ema: bool, device: torch.device) -> RolloutModel:
-    """One ``--anchor-runs`` member's denoiser; its load errors name the flag."""
-    try:
-        return load_for_inference(run, use_ema=use_ema, device=device)[0]
-    except USER_ERRORS as err:
-        raise SamplingError(f"--anchor-runs {run}: {err}") from err
 
 
 def roll_out_episodes(model: RolloutModel, cfg: Config, schedule: ARSchedule, real: torch.Tensor,

@@ -13,7 +13,7 @@ from typing import Any
 
 from arvdm.errors import ArvdmError, ConfigError
 
-__all__ = ["as_number", "check_anchor_floor", "check_anchor_sigma", "check_eta", "check_guidance"]
+__all__ = ["as_number", "check_anchor_floor", "check_anchor_sigma", "check_eta", "check_guidance", "parse_anchor_runs"]
 
 
 def as_number(value: Any) -> float:
@@ -52,3 +52,9 @@ def check_anchor_floor(floor: Any, num_levels: int, name: str, error: type[Arvdm
         raise error(f"{name} must be an integer noise level in 0..K-1 = 0..{num_levels - 1} (the anchor pulls in "
                     f"the calls that start above it; 0 = every call), got {floor!r}")
     return floor
+
+
+def parse_anchor_runs(text: str) -> tuple[str, ...]:
+    """``--anchor-runs`` as written on a command line: comma-separated run folders ("" = none). Torch-free, so
+    sample.py can parse it before torch loads."""
+    return tuple(r.strip() for r in text.split(",") if r.strip())

@@ -102,3 +102,25 @@ def test_settings_that_leave_nothing_to_anchor_are_refused(tmp_path):
     cfg = make().cfg  # the test model's run has no anchor (diffusion.anchor_sigma 0)
     with pytest.raises(SamplingError, match="needs an anchor"):
         SampleSettings(anchor_runs=(str(tmp_path),)).with_run_defaults(cfg)
+
+
+def test_the_flag_is_parsed_the_same_way_by_sample_py_and_the_experiments():
+    import argparse
+
+    from arvdm.pipeline.anchor import add_anchor_flags
+    from arvdm.setting_checks import parse_anchor_runs
+    assert parse_anchor_runs("runs/a, runs/b,") == ("runs/a", "runs/b") and parse_anchor_runs("") == ()
+    p = argparse.ArgumentParser()
+    add_anchor_flags(p)
+    assert p.parse_args(["--anchor-runs", "runs/a,runs/b"]).anchor_runs == ("runs/a", "runs/b")
+    assert p.parse_args([]).anchor_runs == ()
+
+
+def test_with_anchor_runs_is_the_model_itself_without_runs_and_refuses_without_an_anchor(tmp_path):
+    from arvdm.pipeline.anchor import with_anchor_runs
+    model = make()
+    assert with_anchor_runs(model, (), 0.0) is model
+    with pytest.raises(SamplingError, match="--anchor-runs a needs an anchor"):
+        with_anchor_runs(model, ("a",), 0.0)
+    with pytest.raises(SamplingError, match=f"--anchor-runs {tmp_path}: "):  # no checkpoint there
+        with_anchor_runs(model, (str(tmp_path),), 1.0)

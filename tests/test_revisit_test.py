@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_memory_probe_test import LENGTH, _model, _write_episodes
 
-from arvdm.config import apply_overrides
+from arvdm.config import SamplingError, apply_overrides
 from arvdm.evaluation.metrics import psnr_per_frame
 from arvdm.experiments import revisit_test as rt
 from arvdm.model.denoiser import Denoiser
@@ -82,6 +82,15 @@ def test_modes_share_their_noise_so_memory_alone_separates_them(runs):
     assert anchored["anchor_sigma"] == 1.0 and seeing["anchor_sigma"] == 0.0
     for k in ("pose", "time", "other", "none"):
         assert anchored["per_episode"][k] != seeing["per_episode"][k]
+    # --anchor-runs reaches them too: the run with itself is the run alone, with other weights other frames
+    itself = rt.look_around_test(runs["seeing"], str(runs["data"]), episodes=2, steps=2, n_boot=200,
+                                 anchor_sigma=1.0, anchor_runs=(runs["seeing"],))
+    assert itself["per_episode"] == anchored["per_episode"] and itself["anchor_runs"] == [runs["seeing"]]
+    paired = rt.look_around_test(runs["seeing"], str(runs["data"]), episodes=2, steps=2, n_boot=200,
+                                 anchor_sigma=1.0, anchor_runs=(runs["blind"],))
+    assert all(paired["per_episode"][k] != anchored["per_episode"][k] for k in ("pose", "time", "other", "none"))
+    with pytest.raises(SamplingError, match="--anchor-runs .* needs an anchor"):  # the run's own anchor is off
+        rt.look_around_test(runs["seeing"], str(runs["data"]), episodes=2, steps=2, anchor_runs=(runs["blind"],))
 
 
 def test_cli_writes_the_json_and_refuses_bad_input(runs, tmp_path, capsys):

@@ -44,7 +44,7 @@ from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import paired_difference
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.anchor import add_anchor_flags, use_anchor
+from arvdm.pipeline.anchor import add_anchor_flags, use_anchor, with_anchor_runs
 from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
 from arvdm.schedules.presets import get_schedule
@@ -149,12 +149,15 @@ def summarise(videos: dict[str, torch.Tensor], n_boot: int = 2000, seed: int = 0
 def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frames: int = 64, steps: int = 20,
                 seed: int = 0, split: str = "training", device: str = "cpu", progress: bool = True,
                 swap: str | None = None, anchor_sigma: float | None = None,
-                anchor_floor: int | None = None, action_guidance: float = 0.0) -> dict[str, Any]:
+                anchor_floor: int | None = None, action_guidance: float = 0.0,
+                anchor_runs: tuple[str, ...] = ()) -> dict[str, Any]:
     """Load ``run`` and ``episodes`` episodes of ``data``, roll them out three ways (four with ``swap``, e.g.
-    "2:3,4:5"), summarise. ``anchor_sigma`` / ``anchor_floor``: the rollouts' anchor (None = the run's);
-    ``action_guidance`` W: guidance along the actions (a run trained with ``train.action_dropout``)."""
+    "2:3,4:5"), summarise. ``anchor_sigma`` / ``anchor_floor``: the rollouts' anchor (None = the run's),
+    ``anchor_runs`` other runs averaged into it (sample.py's --anchor-runs); ``action_guidance`` W: guidance along
+    the actions (a run trained with ``train.action_dropout``)."""
     model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
     anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # the rollouts read it from cfg.diffusion
+    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device))
     pairs = parse_swap(swap, cfg.model.num_actions) if swap else None
     real, actions, poses = load_validation_episodes(data, cfg, episodes, context, frames, split=split)
     if cfg.memory.select == "pose" and poses is None:
@@ -163,7 +166,7 @@ def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frame
                              None if poses is None else poses.to(device), steps, seed, progress=progress, swap=pairs,
                              action_guidance=action_guidance)
     return {"run": str(run), "data": str(data), "split": split, "context": context, "seed": seed, "swap": swap,
-            "action_guidance": action_guidance,
+            "action_guidance": action_guidance, "anchor_runs": list(anchor_runs),
             **anchor, **summarise(videos, seed=seed)}
 
 
@@ -210,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = action_test(args.run, args.data, args.episodes, args.context, args.frames, args.steps, args.seed,
                              args.split, args.device, swap=args.swap, anchor_sigma=args.anchor_sigma,
-                             anchor_floor=args.anchor_floor, action_guidance=args.action_guidance)
+                             anchor_floor=args.anchor_floor, action_guidance=args.action_guidance,
+                             anchor_runs=args.anchor_runs)
     except USER_ERRORS as err:
         print(f"action_test: error: {err}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import MIN_EVENTS, format_interval, memory_probes, paired_difference, pooled_rate
 from arvdm.experiments.memory_probe_test import keep_every, load_episodes, probe_seed
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.anchor import add_anchor_flags, use_anchor
+from arvdm.pipeline.anchor import add_anchor_flags, use_anchor, with_anchor_runs
 from arvdm.pipeline.rollout import rollout
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.sample_settings import SampleSettings
@@ -223,9 +223,9 @@ def plot_drift(result: dict[str, Any], path: str | Path) -> Path:
 def memory_drift_test(run: str, data: str, free: tuple[int, ...], episodes: int | None = None, stride: int = 1,
                       steps: int = SampleSettings.steps, seed: int = 0, device: str = "cpu", n_boot: int = 2000,
                       progress: bool = True, anchor_sigma: float | None = None,
-                      anchor_floor: int | None = None) -> dict[str, Any]:
+                      anchor_floor: int | None = None, anchor_runs: tuple[str, ...] = ()) -> dict[str, Any]:
     """Load a pose-aware run and its episodes, then ``run_memory_drift_test`` (module docstring); the rollouts'
-    anchor is ``anchor_sigma`` / ``anchor_floor`` (None = the run's)."""
+    anchor is ``anchor_sigma`` / ``anchor_floor`` (None = the run's), averaged over ``anchor_runs`` too if any."""
     for flag, value in (("--stride", stride), ("--steps", steps), ("--episodes", episodes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise SamplingError(f"{flag} must be an integer >= 1, got {value!r}")
@@ -234,12 +234,13 @@ def memory_drift_test(run: str, data: str, free: tuple[int, ...], episodes: int 
         raise SamplingError(f"{run}: trained with memory.select={cfg.memory.select}; the memory drift test compares "
                             "memory choices of a pose-aware run (memory.select=pose)")
     anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # before the diffusion: its rollouts read it there
+    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device))
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, steps,
                             context_level=cfg.diffusion.context_level)  # as sample.py rolls out
     eps = load_episodes(data, episodes, cfg.model.image_size)
     result = run_memory_drift_test(model, diffusion, schedule, eps, free, stride, seed, n_boot, progress)
-    return {"run": str(run), "data": str(data), **anchor, **result}
+    return {"run": str(run), "data": str(data), **anchor, "anchor_runs": list(anchor_runs), **result}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = memory_drift_test(args.run, args.data, parse_free(args.free), args.episodes, args.stride,
                                    args.steps, args.seed, args.device, anchor_sigma=args.anchor_sigma,
-                                   anchor_floor=args.anchor_floor)
+                                   anchor_floor=args.anchor_floor, anchor_runs=args.anchor_runs)
         out = Path(args.out or Path(args.run) / "memory_drift_test")
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "memory_drift_test.json", result)

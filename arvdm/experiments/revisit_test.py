@@ -32,7 +32,7 @@ from arvdm.errors import USER_ERRORS
 from arvdm.evaluation.metrics import PSNR_CAP, psnr_per_frame
 from arvdm.evaluation.probes import paired_difference, psnr_matrix
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.anchor import add_anchor_flags, use_anchor
+from arvdm.pipeline.anchor import add_anchor_flags, use_anchor, with_anchor_runs
 from arvdm.pipeline.rollout import episode_generators, rollout
 from arvdm.pipeline.runs import load_for_inference
 from arvdm.schedules.presets import get_schedule
@@ -81,12 +81,14 @@ def _pair(a: dict, b: dict) -> tuple[torch.Tensor, ...]:
 
 def look_around_test(run: str, data: str, episodes: int = 24, steps: int = 20, seed: int = 0,
                      device: str = "cpu", n_boot: int = 2000, anchor_sigma: float | None = None,
-                     anchor_floor: int | None = None) -> dict[str, Any]:
+                     anchor_floor: int | None = None, anchor_runs: tuple[str, ...] = ()) -> dict[str, Any]:
     """Roll out the second turn of look-around episodes under each memory mode; PSNR per episode and paired tests.
     ``anchor_sigma`` / ``anchor_floor``: the rollouts' low-frequency anchor (``rollout``'s, arvdm.pipeline.anchor);
-    None = the run's (diffusion.anchor_sigma / anchor_floor), as sample.py."""
+    None = the run's (diffusion.anchor_sigma / anchor_floor), as sample.py; ``anchor_runs``: other runs whose
+    level-K predictions are averaged into it (sample.py's --anchor-runs)."""
     model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
     anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # the rollouts below read it from cfg.diffusion
+    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device))
     if cfg.memory.select != "pose":
         raise SamplingError(f"{run}: trained with memory.select={cfg.memory.select}; the revisit test compares memory "
                             f"choices of a pose-aware run (memory.select=pose)")
@@ -107,7 +109,7 @@ def look_around_test(run: str, data: str, episodes: int = 24, steps: int = 20, s
             lo, hi = first[b]
             sim = psnr_matrix(torch.cat([real[b], video[b, lo:hi]]))[:n, n:]  # (N, first turn)
             per["oracle"].append(sim.max(dim=1).values.clamp(max=PSNR_CAP).tolist())
-    return {**_summarise(per, n_boot, seed, run, data), **anchor}
+    return {**_summarise(per, n_boot, seed, run, data), **anchor, "anchor_runs": list(anchor_runs)}
 
 
 def _summarise(per: dict[str, list[list[float]]], n_boot: int, seed: int, run: str, data: str) -> dict[str, Any]:
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         result = look_around_test(args.run, args.data, args.episodes, args.steps, args.seed, args.device,
-                                  anchor_sigma=args.anchor_sigma, anchor_floor=args.anchor_floor)
+                                  anchor_sigma=args.anchor_sigma, anchor_floor=args.anchor_floor,
+                                  anchor_runs=args.anchor_runs)
     except USER_ERRORS as err:
         print(f"revisit_test: error: {err}", file=sys.stderr)
         return 2

@@ -47,10 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arvdm.errors import SamplingError
+from arvdm.errors import USER_ERRORS, SamplingError
 from arvdm.model.diffusion import PerFrameDiffusion
+from arvdm.pipeline.runs import load_for_inference
+from arvdm.setting_checks import parse_anchor_runs
 
-__all__ = ["AnchorEnsemble", "LowFrequencyAnchor", "add_anchor_flags", "gaussian_lowpass", "use_anchor"]
+__all__ = ["AnchorEnsemble", "LowFrequencyAnchor", "add_anchor_flags", "gaussian_lowpass", "use_anchor",
+           "with_anchor_runs"]
 
 # what the members of an AnchorEnsemble must share with the sampled run (the rest, e.g. train.seed, may differ)
 SHARED_SECTIONS = ("model", "memory")
@@ -58,12 +61,16 @@ SHARED_DIFFUSION = ("num_levels", "beta_schedule", "prediction_type")
 
 
 def add_anchor_flags(parser: argparse.ArgumentParser) -> None:
-    """sample.py's ``--anchor-sigma S`` / ``--anchor-floor L`` on another CLI (default: the run's)."""
+    """sample.py's ``--anchor-sigma S`` / ``--anchor-floor L`` / ``--anchor-runs RUN,RUN`` on another CLI (default:
+    the run's anchor, from the run alone)."""
     parser.add_argument("--anchor-sigma", type=float, default=None, metavar="S",
                         help="the rollouts' low-frequency anchor, as sample.py's (default: the run's "
                              "diffusion.anchor_sigma; 0 = the plain sampler)")
     parser.add_argument("--anchor-floor", type=int, default=None, metavar="L",
                         help="its floor level, as sample.py's (default: the run's diffusion.anchor_floor)")
+    parser.add_argument("--anchor-runs", type=parse_anchor_runs, default=(), metavar="RUN,RUN",
+                        help="other runs of the same config whose level-K predictions are averaged into the anchor, "
+                             "as sample.py's (default: none)")
 
 
 def use_anchor(cfg: Any, sigma: float | None, floor: int | None) -> dict[str, Any]:
@@ -72,6 +79,25 @@ def use_anchor(cfg: Any, sigma: float | None, floor: int | None) -> dict[str, An
     d = cfg.diffusion
     d.anchor_sigma, d.anchor_floor = d.anchor(sigma, floor, ("--anchor-sigma", "--anchor-floor"))
     return {"anchor_sigma": d.anchor_sigma, "anchor_floor": d.anchor_floor}
+
+
+def with_anchor_runs(model: nn.Module, runs: tuple[str, ...], sigma: float, *, use_ema: bool = True,
+                     device: str | torch.device = "cpu", flag: str = "--anchor-runs") -> nn.Module:
+    """``model`` with its anchor averaged over the denoisers of ``runs`` (:class:`AnchorEnsemble`; ``model`` itself
+    when there are none). ``sigma`` is the anchor the rollouts use: 0 is refused, as there is no anchor to average.
+    Errors (a missing checkpoint, another configuration) name ``flag`` and the run."""
+    if not runs:
+        return model
+    if not sigma > 0:
+        raise SamplingError(f"{flag} {','.join(map(str, runs))} needs an anchor (--anchor-sigma > 0, the run's by "
+                            "default): the runs' mean only sets the anchor")
+    others = []
+    for run in runs:
+        try:
+            others.append(load_for_inference(run, use_ema=use_ema, device=device)[0])
+        except USER_ERRORS as err:
+            raise SamplingError(f"{flag} {run}: {err}") from err
+    return AnchorEnsemble(model, others, names=[str(r) for r in runs], flag=flag)
 
 
 def gaussian_lowpass(x: torch.Tensor, sigma: float) -> torch.Tensor:
