@@ -19,28 +19,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from arvdm.config import apply_overrides, get_preset  # noqa: E402
+from arvdm.config import get_preset  # noqa: E402
 from arvdm.model.denoiser import Denoiser  # noqa: E402
 from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
 from arvdm.pipeline.anchor import AnchorEnsemble  # noqa: E402
 from arvdm.pipeline.rollout import episode_generators, rollout  # noqa: E402
 from arvdm.pipeline.runs import load_for_inference  # noqa: E402
 from arvdm.schedules.presets import get_schedule  # noqa: E402
-from benchmarks.common import interleaved, median, print_table, set_threads  # noqa: E402
+from arvdm.setting_checks import parse_anchor_runs  # noqa: E402
+from benchmarks.common import interleaved, median, print_table, random_weights, set_threads  # noqa: E402
 
 
-def random_models(n: int, overrides: list[str]) -> list[Denoiser]:
-    """``n`` tiny-preset denoisers with random weights (the zero-initialised layers made random too)."""
-    cfg = apply_overrides(get_preset("tiny"), overrides).validate()
+def random_models(n: int) -> list[Denoiser]:
+    """``n`` tiny-preset denoisers with random weights (the zero-initialised layers random too)."""
+    cfg = get_preset("tiny").validate()
     models = []
     for seed in range(n):
         torch.manual_seed(seed)
-        m = Denoiser(cfg).eval()
-        with torch.no_grad():
-            for p in m.parameters():
-                if p.dim() >= 2 and not p.any():
-                    p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
-        models.append(m)
+        models.append(random_weights(Denoiser(cfg).eval()))
     return models
 
 
@@ -58,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     set_threads(args.threads)
     if args.run:
-        models = [load_for_inference(r)[0] for r in [args.run, *filter(None, args.members.split(","))]]
+        models = [load_for_inference(r)[0] for r in [args.run, *parse_anchor_runs(args.members)]]
     else:
-        models = random_models(1 + args.random_members, [])
+        models = random_models(1 + args.random_members)
     cfg = models[0].cfg
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, args.steps,

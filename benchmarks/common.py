@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Lockstep", "interleaved", "median", "print_table", "set_threads", "sync", "timed"]
+__all__ = ["Lockstep", "interleaved", "median", "print_table", "random_weights", "set_threads", "sync", "timed"]
 
 
 def set_threads(n: int | None) -> int:
@@ -30,6 +30,16 @@ def set_threads(n: int | None) -> int:
     if n is not None and n > 0:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+@torch.no_grad()
+def random_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its zero-initialised matrices (AdaLN-Zero, the zero output layer) drawn at random too (normal,
+    std 1/√fan-in), so that a benchmark's untrained model's output depends on its input and its past."""
+    for p in model.parameters():
+        if p.dim() >= 2 and not p.any():
+            p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+    return model
 
 
 def sync(device: Any = None) -> None:

@@ -54,7 +54,7 @@ from arvdm.model.denoiser import Denoiser  # noqa: E402
 from arvdm.model.diffusion import PerFrameDiffusion  # noqa: E402
 from arvdm.pipeline.rollout import rollout  # noqa: E402
 from arvdm.schedules.presets import get_schedule  # noqa: E402
-from benchmarks.common import Lockstep, median, print_table, set_threads  # noqa: E402
+from benchmarks.common import Lockstep, median, print_table, random_weights, set_threads  # noqa: E402
 
 
 class TimedModel:
@@ -82,11 +82,7 @@ def build_models(args: argparse.Namespace) -> tuple[dict[str, Denoiser], Any]:
     cfg = apply_overrides(get_preset(args.preset), list(args.set))
     cfg.validate()
     torch.manual_seed(args.seed)
-    base = Denoiser(cfg).eval()
-    with torch.no_grad():
-        for p in base.parameters():  # AdaLN-Zero / zero output layer: make them random too
-            if p.dim() >= 2 and not p.any():
-                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+    base = random_weights(Denoiser(cfg).eval())  # AdaLN-Zero / zero output layer: random too
     models = {}
     for retention in ("last", "all"):
         c = apply_overrides(get_preset(args.preset), list(args.set) + [f"memory.retention={retention}"])

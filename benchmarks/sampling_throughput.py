@@ -33,6 +33,7 @@ from arvdm.pipeline.rollout import rollout  # noqa: E402
 from arvdm.pipeline.runs import load_for_inference  # noqa: E402
 from arvdm.sampling import compile_for_sampling  # noqa: E402
 from arvdm.schedules.presets import get_schedule  # noqa: E402
+from benchmarks.common import random_weights  # noqa: E402
 
 SMOKE = ["model.image_size=16", "model.patch_size=4", "model.dim=32", "model.depth=1", "model.heads=2",
          "memory.length=4", "train.window=4"]
@@ -43,11 +44,7 @@ def build(args) -> tuple[torch.nn.Module, object]:
         return load_for_inference(args.run, device=args.device)
     cfg = apply_overrides(get_preset(args.preset), (SMOKE if args.smoke else []) + list(args.set)).validate()
     torch.manual_seed(0)
-    model = Denoiser(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # AdaLN-Zero / zero output layer: random too, so v depends on the past
-            if p.dim() >= 2 and not p.any():
-                p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+    model = random_weights(Denoiser(cfg).eval())  # AdaLN-Zero / zero output layer random too: v depends on the past
     return model.to(args.device), cfg
 
 
