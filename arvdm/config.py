@@ -207,6 +207,9 @@ class DataConfig:
     resize: int = 0  # 0 = native resolution
     num_workers: int = 0
     skip_bad_files: bool = False
+    # the data's left-right mirror (data.mirror): which action each action becomes in a clip's mirror image, e.g.
+    # Memory Maze [0, 1, 3, 2, 5, 4] (turns swap); empty = no mirror (train.mirror_p and --anchor-mirror need one)
+    mirror_actions: list = field(default_factory=list)
 
     def validate(self) -> None:
         _check(self.env in ("memory_maze", "crafter"), "data.env", self.env, "must be memory_maze or crafter")
@@ -254,6 +257,8 @@ class TrainConfig:
     context_noise_max: int = 0
     # History guidance (DFoT 2025): the share of training steps whose batch sees no memory; 0 = no extra draw.
     memory_dropout: float = 0.0
+    # share of training clips replaced by their left-right mirror image (data.mirror_actions says how actions map)
+    mirror_p: float = 0.0
     action_dropout: float = 0.0  # action guidance (CFG over actions): share of clips whose window has no actions
     # Rollout-trained context (Self-Forcing, Huang et al. 2025; 0 = off): the EMA model generates the G frames before
     # each window from its memory in rollout_steps steps; the window trains with the memory it would then have.
@@ -287,6 +292,8 @@ class TrainConfig:
         for key, low in (("rollout_frames", 0), ("rollout_steps", 1)):
             _check(type(v := getattr(self, key)) is int and v >= low, f"train.{key}", v, f"must be an integer >= {low}")
         _check(0 < as_number(self.rollout_share) <= 1, "train.rollout_share", self.rollout_share, "must be in (0, 1]")
+        _check(0 <= as_number(self.mirror_p) <= 1, "train.mirror_p", self.mirror_p,
+               "must be in [0, 1] (the share of mirrored clips)")
 
 
 HYBRID_SELECT = ("online", "offline", "fixed")
@@ -352,6 +359,13 @@ class Config:
                tc.copy_gate_loss, "must be a finite number >= 0; > 0 needs model.copy_gate")
         _check(type(tc.copy_gate_detach) is bool and (not tc.copy_gate_detach or tc.copy_gate_loss > 0),
                "train.copy_gate_detach", tc.copy_gate_detach, "must be true or false; true needs copy_gate_loss > 0")
+        perm, n = self.data.mirror_actions, self.model.num_actions
+        _check(isinstance(perm, list) and len(perm) <= n and all(type(a) is int for a in perm) and sorted(perm) == list(
+            range(len(perm))) and all(perm[a] == i for i, a in enumerate(perm)), "data.mirror_actions", perm,
+               f"must list actions 0..L-1 (L <= model.num_actions={n}; actions from L on stay themselves) each once, "
+               "each pair swapped both ways (mirroring twice is the identity), or be empty")
+        _check(not tc.mirror_p or perm, "train.mirror_p", tc.mirror_p,
+               "needs data.mirror_actions (which action each action becomes in the mirror image)")
         return self
 
     def default_context(self) -> int:

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("crafter")
 # find_spec, not importorskip: importing memory_maze here would load OSMesa before Triton (see data/envs.py)
@@ -18,6 +19,7 @@ if importlib.util.find_spec("memory_maze") is None:
 from data.dataset import ClipDataset
 from data.episodes import load_episode
 from data.generate import GenerateError, ensure_dataset, generate
+from data.mirror import MEMORY_MAZE_MIRROR, mirror_clip, mirror_permutation
 
 MM_LEN, CR_LEN = 56, 40
 
@@ -158,3 +160,38 @@ def test_model_kernels_load_after_memory_maze_rendered_in_the_same_process():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MUJOCO_GL": "osmesa", "PYOPENGL_PLATFORM": "osmesa"})
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
+
+
+def _turns(video: np.ndarray, actions: np.ndarray, poses: np.ndarray, r: int = 20) -> dict[str, tuple[float, float]]:
+    """Per turn direction (left: turn left, forward+left; right: the others), the mean horizontal shift of the image
+    (pixels, content moving right > 0; the best-matching shift of the grey frames) and heading change per step."""
+    grey = video.astype(np.float64).mean(-1)  # (T, H, W)
+    width, out = grey.shape[-1], {}
+    for name, acts in (("left", (2, 4)), ("right", (3, 5))):
+        shifts, turns = [], []
+        for t in np.flatnonzero(np.isin(actions, acts)):
+            if t == 0:
+                continue
+            errs = [((grey[t - 1][:, r:width - r] - grey[t][:, r + s:width - r + s]) ** 2).mean()
+                    for s in range(-r, r + 1)]
+            shifts.append(int(np.argmin(errs)) - r)
+            turns.append(np.angle(np.exp(1j * (poses[t, 2] - poses[t - 1, 2]))))
+        out[name] = (float(np.mean(shifts)), float(np.mean(turns)))
+    return out
+
+
+def test_the_memory_maze_mirror_turns_the_other_way_on_the_real_renderer(mm_root):
+    """data.mirror on rendered Memory Maze episodes: in the mirror image (frames flipped, MEMORY_MAZE_MIRROR's
+    actions, reflected poses) a left turn still moves the view right and the heading up, as in the episodes
+    themselves; with the actions left as they are (no permutation) it would turn the other way."""
+    for path in _episodes(mm_root):
+        ep = load_episode(path)
+        video, actions, poses = np.asarray(ep.video), np.asarray(ep.actions), np.asarray(ep.pose)
+        seen = _turns(video, actions, poses)
+        assert seen["left"][0] > 2 and seen["left"][1] > 0.1 and seen["right"][0] < -2 and seen["right"][1] < -0.1
+        m_video, m_actions, m_poses = mirror_clip(torch.as_tensor(video).permute(0, 3, 1, 2),
+                                                  torch.as_tensor(actions), torch.as_tensor(poses),
+                                                  mirror_permutation(MEMORY_MAZE_MIRROR, 6))
+        mirrored = _turns(m_video.permute(0, 2, 3, 1).numpy(), m_actions.numpy(), m_poses.numpy())
+        for side in ("left", "right"):
+            assert np.sign(mirrored[side]).tolist() == np.sign(seen[side]).tolist()
