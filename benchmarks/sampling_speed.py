@@ -1,7 +1,7 @@
 """Sampling speed: KV-cached rollout vs recomputing the past at every call, and per-frame cost over time.
 
     python benchmarks/sampling_speed.py --quick                      # smoke test, < 1 min on 2 cores
-    python benchmarks/sampling_speed.py                              # full run: ~5 min (tiny preset, busy 2-core CPU)
+    python benchmarks/sampling_speed.py                              # full run: ~5 min (tiny_time preset, busy 2-core CPU)
     python benchmarks/sampling_speed.py --set model.image_size=64 --frames 64 --steps 16
 
 The model is the preset's `Denoiser`, randomly initialised (cost does not depend on the weights). Its
@@ -278,7 +278,9 @@ def part2b_same_moment(args, models, cfg) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="tiny")
+    # tiny_time: retention `last` against `all` needs memory chosen by time (the tiny preset's pose-chosen memory
+    # keeps every frame as a candidate and refuses memory.retention=all)
+    p.add_argument("--preset", default="tiny_time", help="config preset with time-chosen memory (default tiny_time)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     p.add_argument("--frames", type=int, default=None, help="frames per rollout in part 1 (default 32; quick 16)")
     p.add_argument("--steps", type=int, default=None, help="denoising calls per frame from K to 0 (default: window)")
