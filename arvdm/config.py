@@ -259,6 +259,8 @@ class TrainConfig:
     memory_dropout: float = 0.0
     # share of training clips replaced by their left-right mirror image (data.mirror_actions says how actions map)
     mirror_p: float = 0.0
+    # share of training clips whose window frames share one level (a chunked rollout's window), not one each
+    shared_level_p: float = 0.0
     action_dropout: float = 0.0  # action guidance (CFG over actions): share of clips whose window has no actions
     # Rollout-trained context (Self-Forcing, Huang et al. 2025; 0 = off): the EMA model generates the G frames before
     # each window from its memory in rollout_steps steps; the window trains with the memory it would then have.
@@ -292,8 +294,9 @@ class TrainConfig:
         for key, low in (("rollout_frames", 0), ("rollout_steps", 1)):
             _check(type(v := getattr(self, key)) is int and v >= low, f"train.{key}", v, f"must be an integer >= {low}")
         _check(0 < as_number(self.rollout_share) <= 1, "train.rollout_share", self.rollout_share, "must be in (0, 1]")
-        _check(0 <= as_number(self.mirror_p) <= 1, "train.mirror_p", self.mirror_p,
-               "must be in [0, 1] (the share of mirrored clips)")
+        for key, what in (("mirror_p", "mirrored clips"), ("shared_level_p", "clips with one level per window")):
+            _check(0 <= as_number(v := getattr(self, key)) <= 1, f"train.{key}", v,
+                   f"must be in [0, 1] (the share of {what})")
 
 
 HYBRID_SELECT = ("online", "offline", "fixed")

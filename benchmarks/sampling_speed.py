@@ -1,7 +1,7 @@
 """Sampling speed: KV-cached rollout vs recomputing the past at every call, and per-frame cost over time.
 
     python benchmarks/sampling_speed.py --quick                      # smoke test, < 1 min on 2 cores
-    python benchmarks/sampling_speed.py                              # full run: ~5 min (tiny_time preset, busy 2-core CPU)
+    python benchmarks/sampling_speed.py                              # full run: ~5 min (tiny_time, busy 2-core CPU)
     python benchmarks/sampling_speed.py --set model.image_size=64 --frames 64 --steps 16
 
 The model is the preset's `Denoiser`, randomly initialised (cost does not depend on the weights). Its

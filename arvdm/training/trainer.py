@@ -212,7 +212,10 @@ class Trainer:
                                                           memory_dropout=tc.memory_dropout, drop_memory=drop,
                                                           copy_gate_loss=tc.copy_gate_loss,
                                                           copy_gate_detach=tc.copy_gate_detach,
-                                                          action_dropout=tc.action_dropout)
+                                                          action_dropout=tc.action_dropout,
+                                                          shared_levels=self._coins("shared_level", i, len(video),
+                                                                                    tc.shared_level_p)
+                                                          if tc.shared_level_p > 0 else None)
                     total.backward()
                 total_sum += total.detach().float()
                 count_sum += count.detach().float()
@@ -236,14 +239,19 @@ class Trainer:
         self.posthoc.update(self.model, self.step)
         return loss.detach(), gnorm.detach()
 
+    def _coins(self, name: str, micro_batch: int, b: int, p: float) -> torch.Tensor:
+        """(b,) bool on the device, each True with probability p: a pure function of (seed, name, step, rank,
+        micro-batch), not drawn from the noise generator, so a resumed run draws the same ones and p = 0 leaves
+        every other draw as it was."""
+        gen = torch.Generator().manual_seed(mix_seed(self.cfg.train.seed, name, self.step, self.dist.rank,
+                                                     micro_batch))
+        return (torch.rand(b, generator=gen) < p).to(self.device)
+
     def _mirror(self, video: torch.Tensor, actions: torch.Tensor, extras: dict[str, torch.Tensor], micro_batch: int
                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """train.mirror_p: each clip of the micro-batch replaced by its left-right mirror image (`data.mirror`) with
-        that probability. The coins are a pure function of (seed, step, rank, micro-batch), not drawn from the noise
-        generator, so a resumed run draws the same ones and mirror_p = 0 leaves every other draw as it was."""
-        gen = torch.Generator().manual_seed(mix_seed(self.cfg.train.seed, "mirror", self.step, self.dist.rank,
-                                                     micro_batch))
-        flip = (torch.rand(video.shape[0], generator=gen) < self.cfg.train.mirror_p).to(self.device)  # (b,)
+        that probability (`_coins`)."""
+        flip = self._coins("mirror", micro_batch, video.shape[0], self.cfg.train.mirror_p)  # (b,)
         perm = mirror_permutation(self.cfg.data.mirror_actions, self.cfg.model.num_actions)  # (num_actions,)
         m_video, m_actions, m_poses = mirror_clip(video, actions, extras.get("poses"), perm)
         video = torch.where(flip[:, None, None, None, None], m_video, video)  # (b, T, C, H, W)
