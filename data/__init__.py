@@ -9,4 +9,5 @@ Modules (import what you need; importing ``data`` itself loads nothing heavy):
 * ``data.preview``   CLI ``python -m data.preview``
 * ``data.envs``, ``data.policies``  the environment wrappers and the policies (random, revisit, look_around,
   wander, mixed)
+* ``data.mirror``    mirror_clip, mirror_permutation, mirror_poses, MEMORY_MAZE_MIRROR: a clip's left-right mirror image
 """
