@@ -25,7 +25,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "memory.length": 6, "memory.select": "pose", "memory.pose_frames": 4,
         "data.resize": 32, "data.path": "datasets/memory_maze_32_mixed",
         "data.generate_episodes": 48, "data.generate_policy": "mixed",
-        "data.mirror_actions": [0, 1, 3, 2, 5, 4],  # Memory Maze mirrored: left and right turns swap (data.mirror)
         "train.window": 4, "train.batch_size": 8, "train.lr": 2e-3, "train.warmup_steps": 100,
         # 0.995 is reached only from step 1,790 (the EMA's warm-up min(decay, (1+t)/(10+t))): at 1,050 steps the
         # EMA follows the warm-up throughout (0.9915 at the end; 0.998 gives the same weights bit for bit)

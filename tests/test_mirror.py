@@ -65,7 +65,9 @@ def test_mirror_p_needs_a_mirror_and_a_share():
     for bad in (-0.1, 1.5, math.nan):
         with pytest.raises(ConfigError, match=r"train\.mirror_p"):
             apply_overrides(get_preset("tiny"), [f"train.mirror_p={bad}"]).validate()
-    assert get_preset("tiny").data.mirror_actions == list(MEMORY_MAZE_MIRROR)
+    assert get_preset("tiny").data.mirror_actions == []  # measured, not adopted: no preset mirrors
+    cfg = apply_overrides(get_preset("tiny"), [f"data.mirror_actions={list(MEMORY_MAZE_MIRROR)}", "train.mirror_p=0.5"])
+    assert cfg.validate().data.mirror_actions == [0, 1, 3, 2, 5, 4]
 
 
 def test_the_trainer_mirrors_the_clips_it_was_told_to(tmp_path, monkeypatch):

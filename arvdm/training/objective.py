@@ -37,6 +37,21 @@ ADAMW_BETAS = (0.9, 0.99)  # AdamW (beta1, beta2)
 ADVECTION_LOSS_WEIGHT = 1.0  # model.action_advection: the advected last frame's |adv - x0|^2 beside the v-MSE
 
 
+def _window_draws(x0: torch.Tensor, num_levels: int, generator: torch.Generator,
+                  shared_levels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's levels (B, w) in 0..K, one per frame (diffusion forcing), and noise like ``x0`` (B, w, C, H, W),
+    drawn in that order from ``generator``, on x0's device. ``shared_levels`` (B,) bool (train.shared_level_p; the
+    trainer's coins, nothing drawn here): those clips' frames all take their first frame's level, the pattern a
+    chunked rollout's window has (every frame at K, then every frame one step lower), which independent levels
+    almost never show (all 4 frames of a window within the top 5% of levels: 5%^4)."""
+    b, w = x0.shape[:2]
+    levels = torch.randint(0, num_levels + 1, (b, w), generator=generator, device=generator.device)
+    if shared_levels is not None:
+        levels = torch.where(shared_levels.to(levels.device)[:, None], levels[:, :1], levels)  # (B, w)
+    noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=x0.dtype)
+    return levels.to(x0.device), noise.to(x0.device)
+
+
 def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch.Tensor, memory_length: int,
                            num_levels: int, generator: torch.Generator, autocast=contextlib.nullcontext,
                            weight: str = "uniform", gamma: float = 5.0, poses: torch.Tensor | None = None,
@@ -74,20 +89,12 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     last frame advected along the window's actions (`ActionAdvection`) should be the frame itself (CDNA's
     reconstruction loss), which trains the kernels directly; nothing for a batch without memory. Draws nothing.
     Validation passes 0: its loss stays the v-MSE alone. `action_dropout` p: `_dropped_actions` (action guidance).
-
-    `shared_levels` (B,) bool (train.shared_level_p; the trainer's coins, nothing drawn here): those clips' window
-    frames all take their first frame's level, the pattern a chunked rollout's window has (every frame at K, then
-    every frame one step lower), which independent levels almost never show (all 4 frames of a window within the
-    top 5% of levels: 5%^4).
+    `shared_levels`: `_window_draws`.
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
     b, w = x0.shape[:2]
-    levels = torch.randint(0, num_levels + 1, (b, w), generator=generator, device=generator.device)
-    if shared_levels is not None:  # (B,) bool: one level for the whole window
-        levels = torch.where(shared_levels.to(levels.device)[:, None], levels[:, :1], levels)  # (B, w)
-    noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=x0.dtype)
-    levels, noise = levels.to(x0.device), noise.to(x0.device)
+    levels, noise = _window_draws(x0, num_levels, generator, shared_levels)  # (B, w), (B, w, C, H, W)
     x_t = diffusion.add_noise(x0, noise, levels)  # (B, w, C, H, W)
     target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
     mem = _memory(diffusion, video[:, :m], actions[:, :m], poses, ages, generator, context_noise_max,
