@@ -186,7 +186,7 @@ def test_the_memory_maze_mirror_turns_the_other_way_on_the_real_renderer(mm_root
     themselves; with the actions left as they are (no permutation) it would turn the other way."""
     for path in _episodes(mm_root):
         ep = load_episode(path)
-        video, actions, poses = np.asarray(ep.video), np.asarray(ep.actions), np.asarray(ep.pose)
+        video, actions, poses = np.array(ep.video), np.array(ep.actions), np.array(ep.pose)  # writable copies
         seen = _turns(video, actions, poses)
         assert seen["left"][0] > 2 and seen["left"][1] > 0.1 and seen["right"][0] < -2 and seen["right"][1] < -0.1
         m_video, m_actions, m_poses = mirror_clip(torch.as_tensor(video).permute(0, 3, 1, 2),
