@@ -208,7 +208,7 @@ class DataConfig:
     num_workers: int = 0
     skip_bad_files: bool = False
     # the data's left-right mirror (data.mirror): which action each action becomes in a clip's mirror image, e.g.
-    # Memory Maze [0, 1, 3, 2, 5, 4] (turns swap); empty = no mirror (train.mirror_p and --anchor-mirror need one)
+    # Memory Maze [0, 1, 3, 2, 5, 4] (turns swap); empty = no mirror (train.mirror_p needs one)
     mirror_actions: list = field(default_factory=list)
 
     def validate(self) -> None:

@@ -1,12 +1,12 @@
 """The left-right mirror image of a clip: the same world seen reflected (frames flipped, left and right swapped).
 
-    from data.mirror import MEMORY_MAZE_MIRROR, mirror_clip
-    video, actions, poses = mirror_clip(video, actions, poses, torch.tensor(MEMORY_MAZE_MIRROR))
+    from data.mirror import MEMORY_MAZE_MIRROR, mirror_clip, mirror_permutation
+    video, actions, poses = mirror_clip(video, actions, poses, mirror_permutation(MEMORY_MAZE_MIRROR, num_actions))
 
 A first-person maze is left-right symmetric as a distribution: the reflection of a random maze is another random
 maze, and an agent in it that turns left is the reflected agent turning right. So a clip's mirror image is as
-likely a clip as the clip itself, which training can use as data (``train.mirror_p``) and sampling as a second,
-reflected view of the same past (``sample.py --anchor-mirror``). What the mirror needs to know about the data is
+likely a clip as the clip itself, which training can use as data (``train.mirror_p``; measured, not adopted:
+benchmarks/RESULTS.md, "mirrored clips"). What the mirror needs to know about the data is
 which action each action becomes (``data.mirror_actions``): for Memory Maze :data:`MEMORY_MAZE_MIRROR`. A world
 that is not symmetric (text on walls, a sun on one side; Crafter's sprites are drawn facing one way) has no mirror
 and keeps ``data.mirror_actions`` empty.
