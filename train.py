@@ -37,6 +37,7 @@ from pathlib import Path
 from arvdm.runtime import setup_environment
 
 ENV_ACTIONS = {"memory_maze": 6, "crafter": 17}
+MEMBER_ENV = "ARVDM_TRAIN_MEMBER"  # which member of the run (train.members) the ranks train.py launches train
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,8 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_config(args: argparse.Namespace):
-    """The run's Config: the preset (or, with --resume, the checkpoint's config) plus the overrides."""
+def build_config(args: argparse.Namespace, member: int = 0):
+    """The run's Config: the preset (or, with --resume, the checkpoint's config) plus the overrides. ``member`` k >= 1
+    (a rank launched for member k, MEMBER_ENV): the run folder is member 0's, whose checkpoints are not checked."""
     # arvdm's imports sit inside the functions: main() calls setup_environment() before torch loads.
     from arvdm.config import ConfigError, apply_overrides, get_preset, parse_device
     from arvdm.model.checkpoint import CheckpointError, latest_checkpoint, load_config
@@ -77,7 +79,7 @@ def build_config(args: argparse.Namespace):
     ckpt = latest_checkpoint(out)
     if args.resume and ckpt is None:
         raise CheckpointError(f"--resume: {out} has no complete checkpoint to resume from")
-    if not args.resume and ckpt is not None:
+    if not args.resume and ckpt is not None and member == 0:
         raise CheckpointError(f"{out} already holds checkpoints (newest {ckpt.name}); pass --resume to continue "
                               f"it or choose another --out")
     cfg = load_config(ckpt) if args.resume else get_preset(args.preset)
@@ -101,9 +103,10 @@ def launches_cpu_ranks(cfg, device) -> bool:
     return device.type == "cpu" and cfg.train.cpu_ranks > 1 and "RANK" not in os.environ
 
 
-def run_cpu_ranks(cfg, argv: list[str], generate_data: bool) -> int:
-    """Run this script as cfg.train.cpu_ranks ranks of one thread each under torchrun (gloo); returns its exit
-    status. The data set is generated here first, with every core, rather than by one rank while the others wait."""
+def run_cpu_ranks(cfg, argv: list[str], generate_data: bool, member: int = 0) -> int:
+    """Run this script as cfg.train.cpu_ranks ranks of one thread each under torchrun (gloo) to train ``member`` of
+    the run; returns its exit status. The data set is generated here first, with every core, rather than by one
+    rank while the others wait."""
     from arvdm.training.loader import prepare_data
 
     if generate_data:
@@ -113,7 +116,7 @@ def run_cpu_ranks(cfg, argv: list[str], generate_data: bool) -> int:
           file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            str(Path(__file__).resolve()), *argv]
-    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", MEMBER_ENV: str(member)}).returncode
 
 
 def main(argv=None) -> int:
@@ -123,13 +126,21 @@ def main(argv=None) -> int:
     from arvdm.config import parse_device
     from arvdm.errors import USER_ERRORS
     from arvdm.training import DistributedError, train
+    from arvdm.training.members import member_plan
 
+    launched = os.environ.get(MEMBER_ENV)  # set in the ranks launched for one member of the run
     try:
-        cfg, out = build_config(args)
-        if launches_cpu_ranks(cfg, parse_device(args.device)):
-            return run_cpu_ranks(cfg, sys.argv[1:] if argv is None else argv, generate_data=not args.data)
-        # Data is generated only for the default stand-in folder; an explicit --data must exist.
-        train(cfg, out, resume=args.resume, generate_data=not args.data, device=args.device)
+        cfg, out = build_config(args, member=int(launched or 0))
+        # train.members (1: the run alone); the ranks launched for one member train that one
+        for m in member_plan(cfg, out, args.resume, only=None if launched is None else int(launched)):
+            # Data is generated only for the default stand-in folder; an explicit --data must exist.
+            if m.done:
+                print(f"train.py: member {m.index} ({m.folder}) is finished", file=sys.stderr)
+            elif launches_cpu_ranks(m.cfg, parse_device(args.device)):
+                if rc := run_cpu_ranks(m.cfg, sys.argv[1:] if argv is None else argv, not args.data, m.index):
+                    return rc
+            else:
+                train(m.cfg, m.folder, resume=m.resume, generate_data=not args.data, device=args.device)
     except DistributedError as e:  # another rank died or hung: say so instead of a traceback or a hang
         print(f"train.py: error: {e}", file=sys.stderr)
         # leave now: at interpreter exit gloo's threads may still hold the dead peer's socket, and their teardown can

@@ -243,6 +243,9 @@ class TrainConfig:
     ckpt_every: int = 250
     keep_checkpoints: int = 2
     seed: int = 0
+    # M independent models trained one after another, each for max_steps with seed + k (arvdm.training.members):
+    # member 0 in the run folder, member k in RUN/members/k; sampling averages their level-K predictions (the anchor)
+    members: int = 1
     bf16: bool = True  # bf16 autocast where native: CUDA, a CPU with AVX512-BF16/AMX (arvdm.runtime.native_bf16)
     dist_timeout_s: float = 600.0  # DDP: a rank waiting this long on the others (one died or hung) gives up
     # data-parallel ranks of one thread each that `python train.py` launches on a CPU (torchrun, gloo); each takes
@@ -271,7 +274,7 @@ class TrainConfig:
     copy_gate_detach: bool = False  # v-MSE on the network's own v (before the gate); the gate learns by the BCE alone
 
     def validate(self) -> None:
-        for key in ("window", "batch_size", "max_steps", "keep_checkpoints", "grad_accum", "cpu_ranks"):
+        for key in ("window", "batch_size", "max_steps", "keep_checkpoints", "grad_accum", "cpu_ranks", "members"):
             _check(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "must be >= 1")
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")

@@ -83,9 +83,10 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     data_root = resolve_data_path(cfg, run_dir, settings.data)  # the run's data, found from any directory
     if settings.compile:
         model = compile_for_sampling(model)
-    # the anchor from several runs' level-K predictions (arvdm.pipeline.anchor); the model itself without --anchor-runs
+    # the anchor from the run's members' and --anchor-runs' level-K predictions (arvdm.pipeline.anchor); the model
+    # itself for a one-member run without --anchor-runs
     model = with_anchor_runs(model, settings.anchor_runs, settings.anchor_sigma, use_ema=settings.use_ema,
-                             device=device)
+                             device=device, run=run_dir)
     if settings.context_level is not None:
         check_context_level(settings.context_level, cfg.diffusion.num_levels, "--context-level")
     schedule = get_schedule(settings.schedule, cfg.train.window, cfg.diffusion.num_levels, settings.steps,

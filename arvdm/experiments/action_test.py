@@ -157,7 +157,7 @@ def action_test(run: str, data: str, episodes: int = 32, context: int = 8, frame
     the actions (a run trained with ``train.action_dropout``)."""
     model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
     anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # the rollouts read it from cfg.diffusion
-    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device))
+    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device), run=run)
     pairs = parse_swap(swap, cfg.model.num_actions) if swap else None
     real, actions, poses = load_validation_episodes(data, cfg, episodes, context, frames, split=split)
     if cfg.memory.select == "pose" and poses is None:

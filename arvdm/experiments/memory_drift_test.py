@@ -234,7 +234,7 @@ def memory_drift_test(run: str, data: str, free: tuple[int, ...], episodes: int 
         raise SamplingError(f"{run}: trained with memory.select={cfg.memory.select}; the memory drift test compares "
                             "memory choices of a pose-aware run (memory.select=pose)")
     anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # before the diffusion: its rollouts read it there
-    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device))
+    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device), run=run)
     diffusion = PerFrameDiffusion(cfg.diffusion)
     schedule = get_schedule("chunked", cfg.train.window, cfg.diffusion.num_levels, steps,
                             context_level=cfg.diffusion.context_level)  # as sample.py rolls out

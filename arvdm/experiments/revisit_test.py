@@ -88,7 +88,7 @@ def look_around_test(run: str, data: str, episodes: int = 24, steps: int = 20, s
     level-K predictions are averaged into it (sample.py's --anchor-runs)."""
     model, cfg = load_for_inference(run, use_ema=True, device=torch.device(device))
     anchor = use_anchor(cfg, anchor_sigma, anchor_floor)  # the rollouts below read it from cfg.diffusion
-    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device))
+    model = with_anchor_runs(model, anchor_runs, cfg.diffusion.anchor_sigma, device=torch.device(device), run=run)
     if cfg.memory.select != "pose":
         raise SamplingError(f"{run}: trained with memory.select={cfg.memory.select}; the revisit test compares memory "
                             f"choices of a pose-aware run (memory.select=pose)")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from torch import nn
 
 from arvdm.errors import USER_ERRORS, SamplingError
 from arvdm.model.diffusion import PerFrameDiffusion
-from arvdm.pipeline.runs import load_for_inference
+from arvdm.pipeline.runs import load_for_inference, member_folders
 from arvdm.setting_checks import parse_anchor_runs
 
 __all__ = ["AnchorEnsemble", "LowFrequencyAnchor", "add_anchor_flags", "gaussian_lowpass", "use_anchor",
@@ -82,15 +83,20 @@ def use_anchor(cfg: Any, sigma: float | None, floor: int | None) -> dict[str, An
 
 
 def with_anchor_runs(model: nn.Module, runs: tuple[str, ...], sigma: float, *, use_ema: bool = True,
-                     device: str | torch.device = "cpu", flag: str = "--anchor-runs") -> nn.Module:
-    """``model`` with its anchor averaged over the denoisers of ``runs`` (:class:`AnchorEnsemble`; ``model`` itself
-    when there are none). ``sigma`` is the anchor the rollouts use: 0 is refused, as there is no anchor to average.
+                     device: str | torch.device = "cpu", flag: str = "--anchor-runs",
+                     run: str | os.PathLike | None = None) -> nn.Module:
+    """``model`` with its anchor averaged over the denoisers of ``runs`` and, given the sampled ``run``'s folder, of
+    its other members (a run trained as ``train.members`` > 1; ``member_folders``) (:class:`AnchorEnsemble`;
+    ``model`` itself when there are none). ``sigma`` is the anchor the rollouts use: 0 is refused for ``runs``, as
+    there is no anchor to average; a run's members are then left out (the plain sampler draws from member 0 alone).
     Errors (a missing checkpoint, another configuration) name ``flag`` and the run."""
-    if not runs:
-        return model
-    if not sigma > 0:
+    members = member_folders(run, model.cfg) if run is not None and sigma > 0 else ()
+    if runs and not sigma > 0:
         raise SamplingError(f"{flag} {','.join(map(str, runs))} needs an anchor (--anchor-sigma > 0, the run's by "
                             "default): the runs' mean only sets the anchor")
+    runs = (*members, *runs)
+    if not runs:
+        return model
     others = []
     for run in runs:
         try:

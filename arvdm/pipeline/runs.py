@@ -3,6 +3,7 @@
     from arvdm.pipeline.runs import load_for_inference, load_validation_episodes
     model, cfg = load_for_inference("runs/tiny")                       # EMA weights, eval mode
     video, actions, pose = load_validation_episodes(cfg.data.path, cfg, n_episodes=2, context=8, frames=48)
+    member_folders("runs/tiny", cfg)           # a run trained as train.members = M: ("runs/tiny/members/1", ...)
 
 This is where checkpoint I/O (arvdm.model.checkpoint) meets the model (arvdm.model) and the data (data.dataset);
 sampling, hybrid attention and the benchmarks build on it.
@@ -11,14 +12,45 @@ sampling, hybrid attention and the benchmarks build on it.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from arvdm.config import SamplingError
-from arvdm.model.checkpoint import load_config, load_weights, resolve_checkpoint
+from arvdm.model.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_config,
+    load_weights,
+    resolve_checkpoint,
+    run_folder,
+)
 from arvdm.model.denoiser import Denoiser
 from data.dataset import ClipDataset, resolve_split
+
+MEMBERS_DIR = "members"  # member k >= 1 of a run trained as train.members = M lives in RUN/members/k
+
+
+def member_folder(run_dir: str | os.PathLike, k: int) -> Path:
+    """Member k's run folder: the run folder itself for k = 0, ``RUN/members/k`` otherwise."""
+    return Path(run_dir) if k == 0 else Path(run_dir) / MEMBERS_DIR / str(k)
+
+
+def member_folders(run_dir: str | os.PathLike, cfg) -> tuple[str, ...]:
+    """The run folders of members 1..M-1 of a run trained as ``train.members`` = M (its config ``cfg``; () for M =
+    1), whose level-K predictions join the anchor (arvdm.pipeline.anchor). ``run_dir`` may be one of the run's
+    checkpoint folders. CheckpointError when a member has no complete checkpoint (training stopped before it)."""
+    root = run_folder(run_dir)
+    folders = []
+    for k in range(1, cfg.train.members):
+        folder = member_folder(root, k)
+        if latest_checkpoint(folder) is None:
+            raise CheckpointError(f"{root} was trained as {cfg.train.members} members (train.members) but member {k} "
+                                  f"({folder}) has no complete checkpoint: finish it with python train.py --out "
+                                  f"{root} --resume")
+        folders.append(str(folder))
+    return tuple(folders)
 
 
 def load_for_inference(run_dir: str | os.PathLike, use_ema: bool = True, device: str | torch.device = "cpu"):

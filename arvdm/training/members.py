@@ -1,0 +1,65 @@
+"""A run trained as M independent members (``train.members`` = M): what each member trains and where.
+
+    from arvdm.training.members import member_plan
+    for m in member_plan(cfg, "runs/tiny", resume=False):   # Member(index, cfg, folder, resume, done)
+        train(m.cfg, m.folder, resume=m.resume)              # what train.py does, one member after another
+
+Member 0 is the run folder itself and trains the run's config (``train.members`` = M, ``train.seed`` = s); member
+k >= 1 trains in ``RUN/members/k`` (``arvdm.pipeline.runs.member_folder``) the same config with ``train.seed`` = s + k
+and ``train.members`` = 1: an ordinary run of its own (its own initial weights, data order and noise), which
+``sample.py --run RUN/members/k`` samples alone. Each trains ``train.max_steps`` steps, so M members cost M times
+one. Sampling a run of M members (``sample.py --run RUN``) draws every frame with member 0 and averages the
+members' level-K predictions into the anchor (``arvdm.pipeline.anchor.AnchorEnsemble``, as ``--anchor-runs``
+does with other runs): the members' mean sets each frame's low frequencies (benchmarks/RESULTS.md, "two members").
+
+``--resume`` resumes every member that has a checkpoint, skips the finished ones and starts the rest; without it a
+member folder that already holds checkpoints is refused (a leftover of another run), as the run folder is.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import NamedTuple
+
+from arvdm.config import Config
+from arvdm.model.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint
+from arvdm.pipeline.runs import member_folder
+
+__all__ = ["Member", "member_config", "member_plan"]
+
+
+class Member(NamedTuple):
+    """One member of a run: its index k, config, run folder, whether it resumes and whether it is finished."""
+
+    index: int
+    cfg: Config
+    folder: str
+    resume: bool
+    done: bool
+
+
+def member_config(cfg: Config, k: int) -> Config:
+    """Member k's config: the run's for k = 0; a copy with ``train.seed`` + k and ``train.members`` = 1 otherwise."""
+    if k == 0:
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.train.seed, out.train.members = cfg.train.seed + k, 1
+    return out
+
+
+def member_plan(cfg: Config, run_dir: str | os.PathLike, resume: bool, only: int | None = None) -> list[Member]:
+    """Every member of the run in ``run_dir`` (config ``cfg``), in training order, or member ``only`` alone (the
+    ranks launched for it). ``resume``: train.py's --resume (member 0's checkpoint is checked by train.py itself).
+    CheckpointError for a member folder that holds checkpoints while ``resume`` is off."""
+    plan = []
+    for k in range(cfg.train.members) if only is None else (only,):
+        folder = member_folder(run_dir, k)
+        ckpt = latest_checkpoint(folder)
+        if k and ckpt is not None and not resume:
+            raise CheckpointError(f"{folder} (member {k} of {run_dir}) already holds checkpoints (newest {ckpt.name}); "
+                                  "pass --resume to continue the run or choose another --out")
+        own = resume and ckpt is not None
+        done = own and checkpoint_step(ckpt) >= cfg.train.max_steps
+        plan.append(Member(k, member_config(cfg, k), str(folder), own, done))
+    return plan

@@ -1,0 +1,79 @@
+"""A run trained as several members (train.members, arvdm.training.members; the sampler's anchor over them).
+
+train.py trains member 0 in the run folder and member k in RUN/members/k with seed + k; a killed run resumes to the
+same weights; leftovers and unfinished members are refused naming the fix; the run's members join the anchor of
+every sampler that takes one (with_anchor_runs(run=...)), not the plain sampler's.
+"""
+
+import pytest
+from test_training import TINY, assert_same, data, deterministic, weights  # noqa: F401 (fixtures)
+
+import train as cli
+from arvdm.config import ConfigError, SamplingError, apply_overrides, get_preset
+from arvdm.model.checkpoint import CheckpointError, latest_checkpoint
+from arvdm.pipeline.anchor import AnchorEnsemble, with_anchor_runs
+from arvdm.pipeline.runs import load_for_inference, member_folder, member_folders
+from arvdm.training.members import member_config, member_plan
+
+
+def argv(folder, run, *extra):
+    sets = [*TINY, "train.cpu_ranks=1", "train.max_steps=2", "train.val_every=0", "train.ckpt_every=2",
+            "train.members=2", "diffusion.anchor_sigma=1", *extra]
+    return ["--preset", "tiny_time", "--data", str(folder), "--out", str(run), "--device", "cpu",
+            *(a for s in sets for a in ("--set", s))]
+
+
+def test_member_plan_gives_each_member_its_folder_seed_and_resume(tmp_path):
+    cfg = apply_overrides(get_preset("tiny_time"), ["train.members=3", "train.seed=5"]).validate()
+    plan = member_plan(cfg, tmp_path / "run", resume=False)
+    assert [(m.index, m.folder, m.cfg.train.seed, m.cfg.train.members, m.resume, m.done) for m in plan] == [
+        (0, str(tmp_path / "run"), 5, 3, False, False),
+        (1, str(tmp_path / "run" / "members" / "1"), 6, 1, False, False),
+        (2, str(tmp_path / "run" / "members" / "2"), 7, 1, False, False)]
+    assert plan[0].cfg is cfg and cfg.train.seed == 5  # member 0 is the run's own config, left as it was
+    assert member_config(cfg, 2).model == cfg.model  # only the seed and the member count differ
+    assert [m.index for m in member_plan(cfg, tmp_path / "run", False, only=2)] == [2]
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match="train.members"):
+            apply_overrides(get_preset("tiny_time"), [f"train.members={bad}"]).validate()
+
+
+def test_members_train_resume_exactly_and_join_the_anchor(tmp_path, data, deterministic):  # noqa: F811
+    run = tmp_path / "run"
+    assert cli.main(argv(data, run)) == 0
+    one = member_folder(run, 1)
+    first, second = weights(latest_checkpoint(run)), weights(latest_checkpoint(one))
+    assert any((first[k] - second[k]).abs().max() > 1e-4 for k in first)  # another seed: other weights
+    model, cfg = load_for_inference(run)
+    assert (cfg.train.members, load_for_inference(one)[1].train.seed) == (2, 1)
+    # killed before member 1 finished: --resume leaves member 0 alone and trains member 1 again to the same weights
+    for ckpt in (one / "checkpoints").iterdir():
+        ckpt.rename(tmp_path / ckpt.name)
+    assert cli.main(argv(data, run) + ["--resume"]) == 0
+    assert_same(weights(latest_checkpoint(run)), first)
+    assert_same(weights(latest_checkpoint(one)), second)
+    assert cli.main(argv(data, run) + ["--resume"]) == 0  # every member finished: nothing to do
+    # the run's members join the anchor; the plain sampler draws from member 0 alone; explicit runs still need one
+    ensemble = with_anchor_runs(model, (), 1.0, run=run)
+    assert isinstance(ensemble, AnchorEnsemble) and len(ensemble.members) == 2
+    assert_same(ensemble.members[1].state_dict(), load_for_inference(one)[0].state_dict())
+    assert member_folders(latest_checkpoint(run), cfg) == (str(one),)  # from a checkpoint folder too
+    assert with_anchor_runs(model, (), 0.0, run=run) is model
+    with pytest.raises(SamplingError, match="needs an anchor"):
+        with_anchor_runs(model, (str(one),), 0.0, run=run)
+
+
+def test_leftover_and_unfinished_members_are_refused_naming_the_fix(tmp_path, data, capsys):  # noqa: F811
+    run = tmp_path / "run"
+    assert cli.main(argv(data, run, "train.members=1")) == 0
+    cfg = load_for_inference(run)[1]
+    cfg.train.members = 2
+    with pytest.raises(CheckpointError, match=r"member 1 \(.*members/1\) has no complete checkpoint: finish it with "
+                                              r"python train.py --out .* --resume"):
+        member_folders(run, cfg)
+    other = tmp_path / "other"
+    assert cli.main(argv(data, member_folder(other, 1), "train.members=1")) == 0  # a leftover in other/members/1
+    capsys.readouterr()
+    assert cli.main(argv(data, other)) == 2
+    err = capsys.readouterr().err
+    assert "members/1 (member 1 of" in err and "already holds checkpoints" in err and "--resume" in err
