@@ -134,9 +134,7 @@ def main(argv=None) -> int:
         # train.members (1: the run alone); the ranks launched for one member train that one
         for m in member_plan(cfg, out, args.resume, only=None if launched is None else int(launched)):
             # Data is generated only for the default stand-in folder; an explicit --data must exist.
-            if m.done:
-                print(f"train.py: member {m.index} ({m.folder}) is finished", file=sys.stderr)
-            elif launches_cpu_ranks(m.cfg, parse_device(args.device)):
+            if launches_cpu_ranks(m.cfg, parse_device(args.device)):
                 if rc := run_cpu_ranks(m.cfg, sys.argv[1:] if argv is None else argv, not args.data, m.index):
                     return rc
             else:

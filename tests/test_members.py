@@ -26,10 +26,10 @@ def argv(folder, run, *extra):
 def test_member_plan_gives_each_member_its_folder_seed_and_resume(tmp_path):
     cfg = apply_overrides(get_preset("tiny_time"), ["train.members=3", "train.seed=5"]).validate()
     plan = member_plan(cfg, tmp_path / "run", resume=False)
-    assert [(m.index, m.folder, m.cfg.train.seed, m.cfg.train.members, m.resume, m.done) for m in plan] == [
-        (0, str(tmp_path / "run"), 5, 3, False, False),
-        (1, str(tmp_path / "run" / "members" / "1"), 6, 1, False, False),
-        (2, str(tmp_path / "run" / "members" / "2"), 7, 1, False, False)]
+    assert [(m.index, m.folder, m.cfg.train.seed, m.cfg.train.members, m.resume) for m in plan] == [
+        (0, str(tmp_path / "run"), 5, 3, False),
+        (1, str(tmp_path / "run" / "members" / "1"), 6, 1, False),
+        (2, str(tmp_path / "run" / "members" / "2"), 7, 1, False)]
     assert plan[0].cfg is cfg and cfg.train.seed == 5  # member 0 is the run's own config, left as it was
     assert member_config(cfg, 2).model == cfg.model  # only the seed and the member count differ
     assert [m.index for m in member_plan(cfg, tmp_path / "run", False, only=2)] == [2]
@@ -52,7 +52,8 @@ def test_members_train_resume_exactly_and_join_the_anchor(tmp_path, data, determ
     assert cli.main(argv(data, run) + ["--resume"]) == 0
     assert_same(weights(latest_checkpoint(run)), first)
     assert_same(weights(latest_checkpoint(one)), second)
-    assert cli.main(argv(data, run) + ["--resume"]) == 0  # every member finished: nothing to do
+    assert cli.main(argv(data, run) + ["--resume"]) == 0  # every member finished: each loads and stops
+    assert_same(weights(latest_checkpoint(one)), second)
     # the run's members join the anchor; the plain sampler draws from member 0 alone; explicit runs still need one
     ensemble = with_anchor_runs(model, (), 1.0, run=run)
     assert isinstance(ensemble, AnchorEnsemble) and len(ensemble.members) == 2

@@ -1,7 +1,7 @@
 """A run trained as M independent members (``train.members`` = M): what each member trains and where.
 
     from arvdm.training.members import member_plan
-    for m in member_plan(cfg, "runs/tiny", resume=False):   # Member(index, cfg, folder, resume, done)
+    for m in member_plan(cfg, "runs/tiny", resume=False):   # Member(index, cfg, folder, resume)
         train(m.cfg, m.folder, resume=m.resume)              # what train.py does, one member after another
 
 Member 0 is the run folder itself and trains the run's config (``train.members`` = M, ``train.seed`` = s); member
@@ -12,8 +12,9 @@ one. Sampling a run of M members (``sample.py --run RUN``) draws every frame wit
 members' level-K predictions into the anchor (``arvdm.pipeline.anchor.AnchorEnsemble``, as ``--anchor-runs``
 does with other runs): the members' mean sets each frame's low frequencies (benchmarks/RESULTS.md, "two members").
 
-``--resume`` resumes every member that has a checkpoint, skips the finished ones and starts the rest; without it a
-member folder that already holds checkpoints is refused (a leftover of another run), as the run folder is.
+``--resume`` resumes every member that has a checkpoint (a finished one loads its checkpoint, checked as any
+resume's, and stops at once) and starts the rest; without it a member folder that already holds checkpoints is
+refused (a leftover of another run), as the run folder is.
 """
 
 from __future__ import annotations
@@ -23,20 +24,19 @@ import os
 from typing import NamedTuple
 
 from arvdm.config import Config
-from arvdm.model.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint
+from arvdm.model.checkpoint import CheckpointError, latest_checkpoint
 from arvdm.pipeline.runs import member_folder
 
 __all__ = ["Member", "member_config", "member_plan"]
 
 
 class Member(NamedTuple):
-    """One member of a run: its index k, config, run folder, whether it resumes and whether it is finished."""
+    """One member of a run: its index k, config, run folder and whether it resumes from a checkpoint of its own."""
 
     index: int
     cfg: Config
     folder: str
     resume: bool
-    done: bool
 
 
 def member_config(cfg: Config, k: int) -> Config:
@@ -59,7 +59,5 @@ def member_plan(cfg: Config, run_dir: str | os.PathLike, resume: bool, only: int
         if k and ckpt is not None and not resume:
             raise CheckpointError(f"{folder} (member {k} of {run_dir}) already holds checkpoints (newest {ckpt.name}); "
                                   "pass --resume to continue the run or choose another --out")
-        own = resume and ckpt is not None
-        done = own and checkpoint_step(ckpt) >= cfg.train.max_steps
-        plan.append(Member(k, member_config(cfg, k), str(folder), own, done))
+        plan.append(Member(k, member_config(cfg, k), str(folder), resume and ckpt is not None))
     return plan
