@@ -87,3 +87,22 @@ def test_in_process_training_says_it_is_one_process(tmp_path):
     with pytest.warns(UserWarning, match="cpu_ranks=2 is launched by train.py"):
         train_in_process(cfg, tmp_path / "run", device="cpu")
     assert (tmp_path / "run/checkpoints/step_0000001").is_dir()
+
+
+def test_each_member_gets_its_own_launch(monkeypatch, tmp_path):
+    """train.members=2 on CPU ranks: one torchrun launch per member, in order, each told its member by
+    ARVDM_TRAIN_MEMBER (the ranks train that member alone) with the caller's flags unchanged; a failed launch
+    stops the run with its exit status."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv(train.MEMBER_ENV, raising=False)
+    data = tmp_path / "data"
+    data.mkdir()
+    argv = ["--out", str(tmp_path / "run"), "--device", "cpu", "--data", str(data), "--set", "train.cpu_ranks=2",
+            "--set", "train.members=2", "--max-steps", "5"]
+    for status, launched in ((0, ["0", "1"]), (4, ["0"])):
+        calls = []
+        monkeypatch.setattr(subprocess, "run", lambda cmd, env, calls=calls, status=status:
+                            calls.append((cmd, env)) or subprocess.CompletedProcess(cmd, status))
+        assert train.main(argv) == status
+        assert [env[train.MEMBER_ENV] for _, env in calls] == launched
+        assert all(cmd[6:] == argv for cmd, _ in calls)

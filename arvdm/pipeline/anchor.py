@@ -98,11 +98,11 @@ def with_anchor_runs(model: nn.Module, runs: tuple[str, ...], sigma: float, *, u
     if not runs:
         return model
     others = []
-    for run in runs:
+    for other in runs:  # not `run`, the sampled run's folder
         try:
-            others.append(load_for_inference(run, use_ema=use_ema, device=device)[0])
+            others.append(load_for_inference(other, use_ema=use_ema, device=device)[0])
         except USER_ERRORS as err:
-            raise SamplingError(f"{flag} {run}: {err}") from err
+            raise SamplingError(f"{flag} {other}: {err}") from err
     return AnchorEnsemble(model, others, names=[str(r) for r in runs], flag=flag)
 
 
