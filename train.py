@@ -22,7 +22,8 @@ Rollout-trained fine-tune (the EMA model generates each clip's recent memory fra
     cp -r runs/tiny runs/tiny_ft && python train.py --out runs/tiny_ft --resume --max-steps 1450 \
         --set train.rollout_frames=4
 
-Writes to --out: checkpoints/step_NNNNNNN/ (last two kept), log.csv, samples/step_NNNNNNN.mp4.
+Writes to --out: checkpoints/step_NNNNNNN/ (last two kept), log.csv, samples/step_NNNNNNN.mp4; with train.members=M
+(tiny: 2, the second forked from step 875, train.member_fork) members/k/ for k = 1..M-1, each a run folder of its own.
 Then: python sample.py --run runs/tiny
 """
 
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
                 if rc := run_cpu_ranks(m.cfg, sys.argv[1:] if argv is None else argv, not args.data, m.index):
                     return rc
             else:
-                train(m.cfg, m.folder, resume=m.resume, generate_data=not args.data, device=args.device)
+                train(m.cfg, m.folder, resume=m.resume, generate_data=not args.data, device=args.device, fork=m.fork)
     except DistributedError as e:  # another rank died or hung: say so instead of a traceback or a hang
         print(f"train.py: error: {e}", file=sys.stderr)
         # leave now: at interpreter exit gloo's threads may still hold the dead peer's socket, and their teardown can

@@ -246,6 +246,11 @@ class TrainConfig:
     # M independent models trained one after another, each for max_steps with seed + k (arvdm.training.members):
     # member 0 in the run folder, member k in RUN/members/k; sampling averages their level-K predictions (the anchor)
     members: int = 1
+    # Late fork (0 = off; shares of max_steps, so they scale with it; no effect with one member): members 1.. start
+    # from member 0's checkpoint at step F = member_fork x max_steps (kept) with their own seed, and train on to
+    # max_steps with the lr schedule set B = member_fork_lr_back x max_steps steps back (arvdm.training.resume.Fork)
+    member_fork: float = 0.0
+    member_fork_lr_back: float = 0.0
     bf16: bool = True  # bf16 autocast where native: CUDA, a CPU with AVX512-BF16/AMX (arvdm.runtime.native_bf16)
     dist_timeout_s: float = 600.0  # DDP: a rank waiting this long on the others (one died or hung) gives up
     # data-parallel ranks of one thread each that `python train.py` launches on a CPU (torchrun, gloo); each takes
@@ -273,9 +278,23 @@ class TrainConfig:
     copy_gate_loss: float = 0.0  # model.copy_gate: weight of the BCE to the best gate (objective.copy_target)
     copy_gate_detach: bool = False  # v-MSE on the network's own v (before the gate); the gate learns by the BCE alone
 
+    def fork_steps(self) -> tuple[int, int]:
+        """(F, B): the step members 1.. fork from member 0 at (0: no fork) and the steps their lr schedule goes back."""
+        n = self.max_steps
+        return round(as_number(self.member_fork) * n), round(as_number(self.member_fork_lr_back) * n)
+
     def validate(self) -> None:
         for key in ("window", "batch_size", "max_steps", "keep_checkpoints", "grad_accum", "cpu_ranks", "members"):
             _check(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "must be >= 1")
+        _check(0 <= as_number(self.member_fork) < 1, "train.member_fork", self.member_fork,
+               "must be 0 (no fork) or a share in (0, 1) of train.max_steps (the step members 1.. fork at)")
+        _check(0 <= as_number(self.member_fork_lr_back) <= as_number(self.member_fork), "train.member_fork_lr_back",
+               self.member_fork_lr_back, f"must be a share of train.max_steps in 0..train.member_fork="
+               f"{self.member_fork} (how far back the fork's lr schedule goes)")
+        fork = self.fork_steps()[0]  # with one member there is nobody to fork: the setting has no effect
+        _check(self.member_fork == 0 or self.members == 1 or 1 <= fork < self.max_steps, "train.member_fork",
+               self.member_fork, f"forks at step {fork} of train.max_steps={self.max_steps}, which must be in "
+               f"1..{self.max_steps - 1} (or train.members=1: no fork, one model)")
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")
         _check(0.0 <= self.ema_decay < 1.0, "train.ema_decay", self.ema_decay, "must be in [0, 1)")
         _check(math.isfinite(as_number(self.ema_warmup)) and self.ema_warmup > 1.0, "train.ema_warmup", self.ema_warmup,

@@ -53,6 +53,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         # level 100 (arvdm.pipeline.anchor): paired on fresh 32-episode sets, every span gains, frames 17-64 +0.63 /
         # +0.14 dB (random-action / mixed), first 4 +0.17 / +0.27, no extra model call (benchmarks/RESULTS.md)
         "diffusion.anchor_sigma": 1.0, "diffusion.anchor_floor": 100,
+        # a second member forked from member 0 at step 875 (5/6 of the run) with seed 1 and its lr schedule set back
+        # 525 steps (to step 350's lr), trained 175 steps (~2 min); its level-K prediction joins the anchor. Paired
+        # on fresh random-action episodes, frames 17-64 +0.14 / +0.07 dB (forks of seed 1 / 2), +0.58 on a weaker
+        # training seed; first frames and look-around memory unchanged (benchmarks/RESULTS.md, "late fork")
+        "train.members": 2, "train.member_fork": 5 / 6, "train.member_fork_lr_back": 0.5,
     },
     # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
     # the baseline a pose-aware run is compared with, and the preset tests of time-based machinery build on.
@@ -62,6 +67,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "diffusion.anchor_sigma": 0.0, "diffusion.anchor_floor": 0,
                   "model.last_frame_input": False, "model.action_advection": 0, "model.copy_gate": "off",
                   "train.copy_gate_loss": 0.0, "train.copy_gate_detach": False, "train.cpu_ranks": 1,
+                  "train.members": 1, "train.member_fork": 0.0, "train.member_fork_lr_back": 0.0,
                   "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500},
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {

@@ -64,7 +64,7 @@ def main() -> None:
             raise SystemExit(f"--procs {n}: need >= 2 ranks that divide train.batch_size={batch}")
     common = ["--preset", args.preset, "--max-steps", str(args.steps), *sum((["--set", o] for o in args.overrides), []),
               "--set", "train.val_every=0", "--set", "train.sample_every=0", "--set", "train.log_every=10",
-              "--set", f"train.ckpt_every={10 ** 9}"]
+              "--set", f"train.ckpt_every={10 ** 9}", "--set", "train.members=1"]  # one model (tiny has 2)
     ranks = {"1 process": (1, False), **{f"{n} ranks": (n, False) for n in args.procs},  # configuration -> (ranks,
              **{f"{n} ranks, FSDP": (n, True) for n in (args.procs if args.fsdp else [])}}  # fsdp)
     speeds: dict[str, list[float]] = {name: [] for name in ranks}

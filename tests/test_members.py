@@ -5,15 +5,28 @@ same weights; leftovers and unfinished members are refused naming the fix; the r
 every sampler that takes one (with_anchor_runs(run=...)), not the plain sampler's.
 """
 
+import shutil
+
 import pytest
+import torch
 from test_training import TINY, assert_same, data, deterministic, weights  # noqa: F401 (fixtures)
 
 import train as cli
 from arvdm.config import ConfigError, SamplingError, apply_overrides, get_preset
-from arvdm.model.checkpoint import CheckpointError, latest_checkpoint
+from arvdm.model.checkpoint import (
+    CheckpointError,
+    checkpoint_dir,
+    checkpoint_step,
+    latest_checkpoint,
+    load_training_state,
+)
 from arvdm.pipeline.anchor import AnchorEnsemble, with_anchor_runs
 from arvdm.pipeline.runs import load_for_inference, member_folder, member_folders
+from arvdm.training.loader import mix_seed
 from arvdm.training.members import member_config, member_plan
+from arvdm.training.objective import lr_factor
+from arvdm.training.resume import Fork
+from arvdm.training.trainer import Trainer
 
 
 def argv(folder, run, *extra):
@@ -78,3 +91,69 @@ def test_leftover_and_unfinished_members_are_refused_naming_the_fix(tmp_path, da
     assert cli.main(argv(data, other)) == 2
     err = capsys.readouterr().err
     assert "members/1 (member 1 of" in err and "already holds checkpoints" in err and "--resume" in err
+
+
+def test_forked_member_starts_from_member_0s_checkpoint_and_resumes_exactly(tmp_path, data, deterministic):  # noqa: F811
+    # fork at step 2 (not a checkpoint step: member 0 writes it anyway and keeps it past keep_checkpoints=1)
+    fork_sets = ("train.max_steps=6", "train.ckpt_every=3", "train.keep_checkpoints=1", "train.member_fork=0.34",
+                 "train.member_fork_lr_back=0.17")  # fork at step round(0.34 x 6) = 2, lr set back 1 step
+    run = tmp_path / "run"
+    assert cli.main(argv(data, run, *fork_sets)) == 0
+    assert sorted(c.name for c in (run / "checkpoints").iterdir()) == ["step_0000002", "step_0000006"]
+    one = member_folder(run, 1)
+    final = weights(latest_checkpoint(one))
+    assert any((final[k] - weights(latest_checkpoint(run))[k]).abs().max() > 1e-4 for k in final)  # its own noise
+    shutil.rmtree(one / "checkpoints")  # member 1 lost
+    cfg = load_for_inference(run)[1]
+    plan = member_plan(cfg, run, resume=False)
+    fork = plan[1].fork
+    assert plan[0].fork is None and fork == Fork(checkpoint_dir(run, 2), 1)
+    assert (plan[1].cfg.train.fork_steps(), plan[1].cfg.train.seed) == ((0, 0), 1)  # a run of its own, seed + 1
+    # at the fork: member 0's step-2 weights, EMA, step and data position; its own noise; the lr of step 1
+    start = Trainer(plan[1].cfg, tmp_path / "fresh", fork=fork)
+    assert start.step == 2 and start.data_position() == load_training_state(fork.checkpoint)["data"]["position"]
+    assert_same(start.model.state_dict(), weights(fork.checkpoint))
+    assert_same(start.ema.model.state_dict(), weights(fork.checkpoint, "ema"))
+    tc = plan[1].cfg.train
+    assert [g["lr"] for g in start.optimizer.param_groups] == [tc.lr * lr_factor(1, tc.warmup_steps, tc.max_steps)] * 2
+    assert torch.equal(start.generator.get_state(),
+                       torch.Generator().manual_seed(mix_seed(1, "noise", 0)).get_state())
+    # killed mid-fork (after step 3) and resumed: the member's final weights, bit for bit
+    start.fit(stop_at=3)
+    start.close()
+    assert checkpoint_step(latest_checkpoint(tmp_path / "fresh")) == 3
+    Trainer(plan[1].cfg, tmp_path / "fresh", resume=True).fit()
+    assert_same(weights(latest_checkpoint(tmp_path / "fresh")), final)
+    # --resume forks the lost member again from the kept checkpoint, to the same weights
+    assert cli.main(argv(data, run, *fork_sets) + ["--resume"]) == 0
+    assert_same(weights(latest_checkpoint(one)), final)
+    # member 0's fork checkpoint gone: a clear error naming the switch and the fix
+    shutil.rmtree(one / "checkpoints")
+    shutil.rmtree(fork.checkpoint)
+    with pytest.raises(CheckpointError,
+                       match=r"member_fork: .*step_0000002 \(member 0's step-2 checkpoint.* is missing; train member"):
+        fork.start(plan[1].cfg)
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["train.members=2", "train.member_fork=1"], "train.member_fork"),  # before max_steps
+    (["train.members=2", "train.member_fork=0.95"], "train.member_fork"),  # rounds to step 6 = max_steps
+    (["train.members=2", "train.member_fork=0.01"], "train.member_fork"),  # rounds to step 0
+    (["train.members=2", "train.member_fork=-0.5"], "train.member_fork"),
+    (["train.members=2", "train.member_fork=\"late\""], "train.member_fork"),
+    (["train.members=2", "train.member_fork=0.5", "train.member_fork_lr_back=0.6"], "train.member_fork_lr_back"),
+    (["train.members=2", "train.member_fork=0.5", "train.member_fork_lr_back=-0.1"], "train.member_fork_lr_back"),
+])
+def test_bad_fork_settings_are_refused_naming_the_key(sets, key):
+    with pytest.raises(ConfigError, match=key):
+        apply_overrides(get_preset("tiny_time"), ["train.max_steps=6", *sets]).validate()
+
+
+def test_the_tiny_preset_forks_at_step_875_and_one_member_turns_the_fork_off():
+    cfg = get_preset("tiny").validate()
+    assert (cfg.train.members, cfg.train.fork_steps()) == (2, (875, 525))
+    assert apply_overrides(get_preset("tiny"), ["train.max_steps=3"]).validate().train.fork_steps() == (2, 2)
+    with pytest.raises(ConfigError, match=r"forks at step 2 of train.max_steps=2.*train.members=1"):
+        apply_overrides(get_preset("tiny"), ["train.max_steps=2"]).validate()
+    one = apply_overrides(get_preset("tiny"), ["train.max_steps=2", "train.members=1"]).validate()
+    assert member_plan(one, "run", resume=False)[0].fork is None and len(member_plan(one, "run", False)) == 1

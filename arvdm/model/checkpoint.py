@@ -104,8 +104,9 @@ def state_dict_for_safetensors(module: torch.nn.Module | Mapping[str, torch.Tens
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Module | Mapping[str, torch.Tensor],
                     cfg: Config, *,
                     ema: torch.nn.Module | None = None, state: dict[str, Any] | None = None,
-                    keep: int = 2) -> Path:
-    """Write checkpoint `step` of `run_dir` atomically, then keep only the newest `keep` ones.
+                    keep: int = 2, protect: tuple[int, ...] = ()) -> Path:
+    """Write checkpoint `step` of `run_dir` atomically, then keep only the newest `keep` ones and those of the steps
+    in `protect` (train.member_fork's step, which the run's other members start from).
 
     Call on one process only (rank 0 under DDP); the caller puts barriers around it.
     """
@@ -126,7 +127,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: torch.nn.Modul
 
     final = write_folder_atomically(checkpoint_dir(run_dir, step), fill)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if checkpoint_step(old) not in protect:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 

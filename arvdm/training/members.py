@@ -12,6 +12,12 @@ one. Sampling a run of M members (``sample.py --run RUN``) draws every frame wit
 members' level-K predictions into the anchor (``arvdm.pipeline.anchor.AnchorEnsemble``, as ``--anchor-runs``
 does with other runs): the members' mean sets each frame's low frequencies (benchmarks/RESULTS.md, "two members").
 
+A late fork (step F = ``train.member_fork`` x max_steps, B = ``train.member_fork_lr_back`` x max_steps; 0 = off): member
+0 keeps its step-F checkpoint, and each member k >= 1 starts there (weights, EMA, optimizer, data position) instead of
+from scratch, with seed s + k (its own noise and data order from step F on) and its lr schedule set B steps back
+(arvdm.training.resume.Fork), and trains steps F+1..max_steps: M members cost one run plus (M - 1)(max_steps - F)
+steps (benchmarks/RESULTS.md, "late fork").
+
 ``--resume`` resumes every member that has a checkpoint (a finished one loads its checkpoint, checked as any
 resume's, and stops at once) and starts the rest; without it a member folder that already holds checkpoints is
 refused (a leftover of another run), as the run folder is.
@@ -24,27 +30,32 @@ import os
 from typing import NamedTuple
 
 from arvdm.config import Config
-from arvdm.model.checkpoint import CheckpointError, latest_checkpoint
+from arvdm.model.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint
 from arvdm.pipeline.runs import member_folder
+from arvdm.training.resume import Fork
 
 __all__ = ["Member", "member_config", "member_plan"]
 
 
 class Member(NamedTuple):
-    """One member of a run: its index k, config, run folder and whether it resumes from a checkpoint of its own."""
+    """One member of a run: its index k, config, run folder, whether it resumes from a checkpoint of its own, and
+    where it starts otherwise (train.member_fork; None: from scratch)."""
 
     index: int
     cfg: Config
     folder: str
     resume: bool
+    fork: Fork | None = None
 
 
 def member_config(cfg: Config, k: int) -> Config:
-    """Member k's config: the run's for k = 0; a copy with ``train.seed`` + k and ``train.members`` = 1 otherwise."""
+    """Member k's config: the run's for k = 0; a copy with ``train.seed`` + k, ``train.members`` = 1 and no fork
+    otherwise (a run of its own)."""
     if k == 0:
         return cfg
     out = copy.deepcopy(cfg)
     out.train.seed, out.train.members = cfg.train.seed + k, 1
+    out.train.member_fork = out.train.member_fork_lr_back = 0.0
     return out
 
 
@@ -59,5 +70,7 @@ def member_plan(cfg: Config, run_dir: str | os.PathLike, resume: bool, only: int
         if k and ckpt is not None and not resume:
             raise CheckpointError(f"{folder} (member {k} of {run_dir}) already holds checkpoints (newest {ckpt.name}); "
                                   "pass --resume to continue the run or choose another --out")
-        plan.append(Member(k, member_config(cfg, k), str(folder), resume and ckpt is not None))
+        own, (step, back) = resume and ckpt is not None, cfg.train.fork_steps()
+        fork = Fork(checkpoint_dir(run_dir, step), back) if k and step else None
+        plan.append(Member(k, member_config(cfg, k), str(folder), own, None if own else fork))
     return plan

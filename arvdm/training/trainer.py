@@ -43,6 +43,7 @@ from arvdm.model.checkpoint import (
     load_training_state,
     load_weights,
     resolve_data_path,
+    run_folder,
     save_checkpoint,
     unwrap,
 )
@@ -51,13 +52,7 @@ from arvdm.model.diffusion import PerFrameDiffusion
 from arvdm.runtime import bf16_autocast, native_bf16
 from arvdm.schedules.presets import chunked
 from arvdm.training import sharding
-from arvdm.training.distributed import (
-    DistInfo,
-    barrier,
-    cleanup_distributed,
-    distributed_error,
-    setup_distributed,
-)
+from arvdm.training.distributed import DistInfo, barrier, cleanup_distributed, distributed_error, setup_distributed
 from arvdm.training.loader import (
     ResumableSampler,
     TrainingError,
@@ -72,7 +67,7 @@ from arvdm.training.loader import (
 from arvdm.training.log import LossMeter, RunLogger
 from arvdm.training.objective import EMA, diffusion_forcing_loss, make_optimizer, rollout_context
 from arvdm.training.power_ema import PostHocEMA
-from arvdm.training.resume import checkpoint_to_resume, restore_rng, rng_states, warn_if_data_differs
+from arvdm.training.resume import Fork, checkpoint_to_resume, restore_rng, rng_states, warn_if_data_differs
 from arvdm.training.sample_video import SampleVideo
 from data.mirror import mirror_clip, mirror_permutation
 from memory.select import recent_frames
@@ -88,10 +83,11 @@ class Trainer:
 
     `resume=True` continues from the newest complete checkpoint in `run_dir` (an error if there is none);
     `resume=False` refuses a run folder that already holds checkpoints, so a run is never overwritten.
+    `fork` (a fresh member k >= 1 of a run with train.member_fork): start from member 0's checkpoint instead.
     """
 
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *,
-                 dist_info: DistInfo | None = None, device: str | None = None):
+                 dist_info: DistInfo | None = None, device: str | None = None, fork: Fork | None = None):
         cfg.validate()
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.dist = dist_info or setup_distributed(device, cfg.train.dist_timeout_s)
@@ -101,6 +97,7 @@ class Trainer:
         # One optimizer step takes grad_accum micro-batches of batch_size clips on every rank.
         self.global_batch = tc.batch_size * self.dist.world_size * tc.grad_accum
         ckpt = checkpoint_to_resume(self.run_dir, cfg, resume)
+        start = ckpt or (fork.start(cfg) if fork else None)  # the weights and training state to load (None: step 0)
         # Found from here, else beside the run folder; saved absolute so the run samples from anywhere.
         cfg.data.abs_path = str(resolve_data_path(cfg, self.run_dir, flag="--data").resolve())
 
@@ -110,8 +107,8 @@ class Trainer:
         self.sampler = ResumableSampler(len(self.train_ds), tc.batch_size, tc.seed, self.dist.rank,
                                         self.dist.world_size)
         self._build_model()
-        if resume:
-            self._load_weights(ckpt)
+        if start is not None:
+            self._load_weights(start)
         if tc.fsdp:
             self._shard()
         self.optimizer, self.lr_scheduler = make_optimizer(self.model, tc)  # after sharding: it keeps the shards
@@ -125,8 +122,10 @@ class Trainer:
         self.rollout_schedule = chunked(tc.rollout_frames, self.K, tc.rollout_steps) if tc.rollout_frames else None
         # steps left in which to find every parameter with a gradient (_check_all_parameters_used)
         self._unused_checks_left = UNUSED_CHECK_STEPS if tc.memory_dropout > 0 else 1
-        if resume:
-            self._load(ckpt)
+        if start is not None:
+            self._load(start, fork if ckpt is None else None)
+        # train.member_fork: member 0 keeps its step-F checkpoint, which members 1.. start from (0: none kept)
+        self.fork_step = tc.fork_steps()[0] if tc.members > 1 else 0
         self._wrap_for_training()
         self.sample_video = SampleVideo(cfg, self.run_dir, self.device)
 
@@ -323,7 +322,7 @@ class Trainer:
                 self.write_sample()
             if self.posthoc.due(self.step, last):  # before the checkpoint: a resume reads the snapshot at its step
                 self.posthoc.save(self.run_dir, self.step, main)
-            if _due(self.step, tc.ckpt_every) or last:
+            if _due(self.step, tc.ckpt_every) or last or self.step == self.fork_step:
                 last_ckpt = self.save()
             bar.update(1)
             if stop_at is not None and self.step >= stop_at:
@@ -417,7 +416,7 @@ class Trainer:
             barrier(self.dist)
             if self.dist.is_main:
                 path = save_checkpoint(self.run_dir, self.step, model, self.cfg, ema=ema_model, state=state,
-                                       keep=self.cfg.train.keep_checkpoints)
+                                       keep=self.cfg.train.keep_checkpoints, protect=(self.fork_step,))
             barrier(self.dist)  # nobody runs ahead (or exits) before the checkpoint is complete
         return path
 
@@ -425,10 +424,11 @@ class Trainer:
         """The checkpoint's weights and EMA, into the full modules (before FSDP shards them)."""
         load_weights(self.model, ckpt / "model.safetensors")
         load_weights(self.ema.model, ckpt / "ema.safetensors", what="EMA weights")
-        self.posthoc.load(self.run_dir, checkpoint_step(ckpt))
+        self.posthoc.load(run_folder(ckpt), checkpoint_step(ckpt))
 
-    def _load(self, ckpt: Path) -> None:
-        """Everything else a resume needs: optimizer, lr schedule, step, data position, generators."""
+    def _load(self, ckpt: Path, fork: Fork | None = None) -> None:
+        """Everything else a resume needs: optimizer, lr schedule, step, data position, generators (a fork: not
+        the generators, and the lr schedule set back; arvdm.training.resume)."""
         state = load_training_state(ckpt)
         if self.cfg.train.fsdp:
             sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
@@ -441,9 +441,12 @@ class Trainer:
         self._start_position = int(data["position"])
         warn_if_data_differs(data, {"dataset_len": len(self.train_ds), "world_size": self.dist.world_size,
                                     "batch_size": self.cfg.train.batch_size}, ckpt)
-        restore_rng(state["rng"], self.generator, self.device, self.dist)
+        if fork is None:
+            restore_rng(state["rng"], self.generator, self.device, self.dist)
+        else:
+            fork.set_lr_back(self.lr_scheduler)
         if self.dist.is_main:
-            print(f"resumed {ckpt} at step {self.step}", file=sys.stderr)
+            print(f"{'forked from' if fork else 'resumed'} {ckpt} at step {self.step}", file=sys.stderr)
 
 
 def _due(step: int, every: int) -> bool:
@@ -453,7 +456,7 @@ def _due(step: int, every: int) -> bool:
 
 # -- entry point -------------------------------------------------------------------------------------------
 def train(cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *, generate_data: bool = False,
-          device: str | None = None) -> Path | None:
+          device: str | None = None, fork: Fork | None = None) -> Path | None:
     """Train (or resume) a run; under torchrun joins the process group. Returns the last checkpoint.
 
     With `generate_data` the stand-in data set is generated first when absent (by local rank 0 of each
@@ -469,7 +472,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *, gene
             if info.local_rank == 0:
                 prepare_data(cfg)
             barrier(info)
-        trainer = Trainer(cfg, run_dir, resume, dist_info=info)
+        trainer = Trainer(cfg, run_dir, resume, dist_info=info, fork=fork)
         return trainer.fit()
     except RuntimeError as e:
         lost = distributed_error(e, info, cfg.train.dist_timeout_s)
