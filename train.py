@@ -127,13 +127,17 @@ def main(argv=None) -> int:
     from arvdm.config import parse_device
     from arvdm.errors import USER_ERRORS
     from arvdm.training import DistributedError, train
+    from arvdm.training.distributed import cleanup_distributed, setup_distributed
     from arvdm.training.members import member_plan
 
     launched = os.environ.get(MEMBER_ENV)  # set in the ranks launched for one member of the run
     try:
         cfg, out = build_config(args, member=int(launched or 0))
         # train.members (1: the run alone); the ranks launched for one member train that one
-        for m in member_plan(cfg, out, args.resume, only=None if launched is None else int(launched)):
+        plan = member_plan(cfg, out, args.resume, only=None if launched is None else int(launched))
+        if len(plan) > 1 and "RANK" in os.environ:  # under torchrun the members share one process group: a
+            setup_distributed(args.device, cfg.train.dist_timeout_s)  # group made again per member hung at exit
+        for m in plan:
             # Data is generated only for the default stand-in folder; an explicit --data must exist.
             if launches_cpu_ranks(m.cfg, parse_device(args.device)):
                 if rc := run_cpu_ranks(m.cfg, sys.argv[1:] if argv is None else argv, not args.data, m.index):
@@ -153,6 +157,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("train.py: interrupted; continue with --resume from the last checkpoint", file=sys.stderr)
         return 130
+    finally:
+        cleanup_distributed()  # the members' shared group (a no-op when train() left its own)
     return 0
 
 

@@ -75,9 +75,9 @@ def test_torchrun_two_cpu_ranks(tmp_path, grad_accum, memory):
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
     extra = {"time": [], "pose": POSE, "pose_dropout": POSE + ["train.memory_dropout=0.9"]}[memory]
-    overrides = [a for o in TINY + extra + ["train.max_steps=4", "train.ckpt_every=2", "train.val_every=2",
-                                    "train.val_batches=2", "train.sample_every=4", f"train.grad_accum={grad_accum}"]
-                 for a in ("--set", o)]
+    sets = TINY + extra + ["train.members=1", "train.max_steps=4", "train.ckpt_every=2", "train.val_every=2",
+                           "train.val_batches=2", "train.sample_every=4", f"train.grad_accum={grad_accum}"]
+    overrides = [a for o in sets for a in ("--set", o)]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", REPO=str(REPO),
                WRITES_DIR=str(tmp_path / "writes"), FINAL_DIR=str(tmp_path / "final"),
                OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
@@ -107,3 +107,25 @@ def test_torchrun_two_cpu_ranks(tmp_path, grad_accum, memory):
     assert state["data"] == {"position": 4 * 2 * 2 * grad_accum, "dataset_len": state["data"]["dataset_len"],
                              "batch_size": 2, "world_size": 2}
 
+
+
+@pytest.mark.slow  # two processes training two members: ~40 s on a 2-core CPU
+def test_torchrun_trains_the_forked_member_in_the_same_process_group(tmp_path):
+    """The tiny preset's two members (the second forked late) under torchrun: both in one process group (one made
+    again for the second member hung the ranks at exit), the fork's checkpoint kept, the member's own weights."""
+    data = write_episodes(tmp_path / "data", n_train=6, poses=True)
+    sets = TINY + POSE + ["train.max_steps=4", "train.ckpt_every=2", "train.val_every=0", "train.sample_every=0"]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1",
+               OMP_WAIT_POLICY="PASSIVE")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "train.py"), "--preset", "tiny", "--data", str(data), "--out", str(tmp_path / "run"),
+           "--device", "cpu", *(a for s in sets for a in ("--set", s))]
+    proc = subprocess.run(cmd, check=False, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = tmp_path / "run"
+    # the fork at step round(5/6 x 4) = 3 is kept beside the newest; step 2 is pruned (keep_checkpoints=2)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0000003", "step_0000004"]
+    assert sorted(p.name for p in (run / "members/1/checkpoints").iterdir()) == ["step_0000004"]
+    assert "forked from" in proc.stderr and "step_0000003 at step 3" in proc.stderr
+    first, second = (load_file(str(r / "checkpoints/step_0000004/model.safetensors")) for r in (run, run / "members/1"))
+    assert any(not torch.equal(first[k], second[k]) for k in first)

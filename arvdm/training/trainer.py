@@ -462,6 +462,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *, gene
     With `generate_data` the stand-in data set is generated first when absent (by local rank 0 of each
     node; the others wait), so a fresh machine needs nothing but `python train.py`.
     """
+    joined = dist.is_initialized()  # a caller that joined the group (train.py, for several members) leaves it
     info = setup_distributed(device, cfg.train.dist_timeout_s)
     if cfg.train.cpu_ranks > 1 and not info.enabled and info.device.type == "cpu":
         warnings.warn(f"train.cpu_ranks={cfg.train.cpu_ranks} is launched by train.py's command line; this call "
@@ -482,7 +483,8 @@ def train(cfg: Config, run_dir: str | os.PathLike, resume: bool = False, *, gene
     finally:
         if trainer is not None:
             trainer.close()
-        cleanup_distributed()
+        if not joined:
+            cleanup_distributed()
 
 
 def _found_elsewhere(cfg: Config, run_dir: str | os.PathLike) -> bool:
