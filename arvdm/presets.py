@@ -54,9 +54,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         # +0.14 dB (random-action / mixed), first 4 +0.17 / +0.27, no extra model call (benchmarks/RESULTS.md)
         "diffusion.anchor_sigma": 1.0, "diffusion.anchor_floor": 100,
         # a second member forked from member 0 at step 875 (5/6 of the run) with seed 1 and its lr schedule set back
-        # 525 steps (to step 350's lr), trained 175 steps (~2 min); its level-K prediction joins the anchor. Paired
-        # on fresh random-action episodes, frames 17-64 +0.14 / +0.07 dB (forks of seed 1 / 2), +0.58 on a weaker
-        # training seed; first frames and look-around memory unchanged (benchmarks/RESULTS.md, "late fork")
+        # 525 steps (to step 350's lr), trained 175 steps (~2.5 min); its level-K prediction joins the anchor. Paired
+        # on fresh random-action episodes over three training seeds, frames 17-64 +0.02 / +0.02 / +0.65 dB (the weak
+        # seed lifted), +0.77 above the context mean against +0.54; first frames and look-around memory unchanged
+        # (benchmarks/RESULTS.md, "the late fork as a switch")
         "train.members": 2, "train.member_fork": 5 / 6, "train.member_fork_lr_back": 0.5,
     },
     # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
