@@ -96,7 +96,8 @@ def test_leftover_and_unfinished_members_are_refused_naming_the_fix(tmp_path, da
 def test_forked_member_starts_from_member_0s_checkpoint_and_resumes_exactly(tmp_path, data, deterministic):  # noqa: F811
     # fork at step 2 (not a checkpoint step: member 0 writes it anyway and keeps it past keep_checkpoints=1)
     fork_sets = ("train.max_steps=6", "train.ckpt_every=3", "train.keep_checkpoints=1", "train.member_fork=0.34",
-                 "train.member_fork_lr_back=0.17")  # fork at step round(0.34 x 6) = 2, lr set back 1 step
+                 "train.member_fork_lr_back=0.17",  # fork at step round(0.34 x 6) = 2, lr set back 1 step
+                 "train.ema_posthoc=[0.1]", "train.ema_posthoc_every=3")  # a post-hoc snapshot at the fork too
     run = tmp_path / "run"
     assert cli.main(argv(data, run, *fork_sets)) == 0
     assert sorted(c.name for c in (run / "checkpoints").iterdir()) == ["step_0000002", "step_0000006"]

@@ -320,9 +320,10 @@ class Trainer:
                 log.write(self.step, self.elapsed, row)
             if tc.sample_every > 0 and (_due(self.step, tc.sample_every) or last):
                 self.write_sample()
-            if self.posthoc.due(self.step, last):  # before the checkpoint: a resume reads the snapshot at its step
+            fork = self.step == self.fork_step  # a checkpoint (and post-hoc snapshot) the other members start from
+            if self.posthoc.due(self.step, last or fork):  # before the checkpoint: a resume reads its step's snapshot
                 self.posthoc.save(self.run_dir, self.step, main)
-            if _due(self.step, tc.ckpt_every) or last or self.step == self.fork_step:
+            if _due(self.step, tc.ckpt_every) or last or fork:
                 last_ckpt = self.save()
             bar.update(1)
             if stop_at is not None and self.step >= stop_at:
