@@ -34,7 +34,8 @@ def _model(seed=0):
         "model.unet_channels=[8,16]", "model.dim=32", "model.depth=1", "model.image_size=16", "data.resize=16",
         f"diffusion.num_levels={K}", "diffusion.context_level=0", "train.context_noise_max=0",
         "diffusion.anchor_sigma=0", "diffusion.anchor_floor=0",
-        f"memory.length={RECENT}", "memory.pose_frames=2", "train.window=2"])
+        f"memory.length={RECENT}", "memory.pose_frames=2", "train.window=2",
+        "train.members=1"])  # one saved model: a tiny run's second member has no checkpoint here
     torch.manual_seed(seed)
     model = Denoiser(cfg).eval()
     with torch.no_grad():  # every parameter random: a fresh model's zero-initialised layers would ignore memory
