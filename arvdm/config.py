@@ -292,7 +292,7 @@ class TrainConfig:
                self.member_fork_lr_back, f"must be a share of train.max_steps in 0..train.member_fork="
                f"{self.member_fork} (how far back the fork's lr schedule goes)")
         fork = self.fork_steps()[0]  # with one member there is nobody to fork: the setting has no effect
-        _check(self.member_fork == 0 or self.members == 1 or 1 <= fork < self.max_steps, "train.member_fork",
+        _check(as_number(self.member_fork) == 0 or self.members == 1 or 1 <= fork < self.max_steps, "train.member_fork",
                self.member_fork, f"forks at step {fork} of train.max_steps={self.max_steps}, which must be in "
                f"1..{self.max_steps - 1} (or train.members=1: no fork, one model)")
         _check(self.lr > 0, "train.lr", self.lr, "must be > 0")

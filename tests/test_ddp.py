@@ -108,7 +108,6 @@ def test_torchrun_two_cpu_ranks(tmp_path, grad_accum, memory):
                              "batch_size": 2, "world_size": 2}
 
 
-
 @pytest.mark.slow  # two processes training two members: ~40 s on a 2-core CPU
 def test_torchrun_trains_the_forked_member_in_the_same_process_group(tmp_path):
     """The tiny preset's two members (the second forked late) under torchrun: both in one process group (one made
