@@ -23,7 +23,8 @@ Rollout-trained fine-tune (the EMA model generates each clip's recent memory fra
         --set train.rollout_frames=4
 
 Writes to --out: checkpoints/step_NNNNNNN/ (last two kept), log.csv, samples/step_NNNNNNN.mp4; with train.members=M
-(tiny: 2, the second forked from step 875, train.member_fork) members/k/ for k = 1..M-1, each a run folder of its own.
+(tiny: 2, the second forked from step 875, train.member_fork, and trained on the anchor's level-K call,
+train.member_top_level_p) members/k/ for k = 1..M-1, each a run folder of its own.
 Then: python sample.py --run runs/tiny
 """
 

@@ -251,6 +251,7 @@ class TrainConfig:
     # max_steps with the lr schedule set B = member_fork_lr_back x max_steps steps back (arvdm.training.resume.Fork)
     member_fork: float = 0.0
     member_fork_lr_back: float = 0.0
+    member_top_level_p: float = 0.0  # members 1..'s train.top_level_p (anchor members; none with one member)
     bf16: bool = True  # bf16 autocast where native: CUDA, a CPU with AVX512-BF16/AMX (arvdm.runtime.native_bf16)
     dist_timeout_s: float = 600.0  # DDP: a rank waiting this long on the others (one died or hung) gives up
     # data-parallel ranks of one thread each that `python train.py` launches on a CPU (torchrun, gloo); each takes
@@ -269,6 +270,8 @@ class TrainConfig:
     mirror_p: float = 0.0
     # share of training clips whose window frames share one level (a chunked rollout's window), not one each
     shared_level_p: float = 0.0
+    # share of training clips whose window frames all sit at level K (the one call an anchor member answers)
+    top_level_p: float = 0.0
     action_dropout: float = 0.0  # action guidance (CFG over actions): share of clips whose window has no actions
     # Rollout-trained context (Self-Forcing, Huang et al. 2025; 0 = off): the EMA model generates the G frames before
     # each window from its memory in rollout_steps steps; the window trains with the memory it would then have.
@@ -316,7 +319,9 @@ class TrainConfig:
         for key, low in (("rollout_frames", 0), ("rollout_steps", 1)):
             _check(type(v := getattr(self, key)) is int and v >= low, f"train.{key}", v, f"must be an integer >= {low}")
         _check(0 < as_number(self.rollout_share) <= 1, "train.rollout_share", self.rollout_share, "must be in (0, 1]")
-        for key, what in (("mirror_p", "mirrored clips"), ("shared_level_p", "clips with one level per window")):
+        for key, what in (("mirror_p", "mirrored clips"), ("shared_level_p", "clips with one level per window"),
+                          ("top_level_p", "clips whose window sits at level K"),
+                          ("member_top_level_p", "members 1..'s clips whose window sits at level K")):
             _check(0 <= as_number(v := getattr(self, key)) <= 1, f"train.{key}", v,
                    f"must be in [0, 1] (the share of {what})")
 

@@ -53,12 +53,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         # level 100 (arvdm.pipeline.anchor): paired on fresh 32-episode sets, every span gains, frames 17-64 +0.63 /
         # +0.14 dB (random-action / mixed), first 4 +0.17 / +0.27, no extra model call (benchmarks/RESULTS.md)
         "diffusion.anchor_sigma": 1.0, "diffusion.anchor_floor": 100,
-        # a second member forked from member 0 at step 875 (5/6 of the run) with seed 1 and its lr schedule set back
-        # 525 steps (to step 350's lr), trained 175 steps (~2.5 min); its level-K prediction joins the anchor. Paired
-        # on fresh random-action episodes over three training seeds, frames 17-64 +0.02 / +0.02 / +0.65 dB (the weak
-        # seed lifted), +0.77 above the context mean against +0.54; first frames and look-around memory unchanged
-        # (benchmarks/RESULTS.md, "the late fork as a switch")
-        "train.members": 2, "train.member_fork": 5 / 6, "train.member_fork_lr_back": 0.5,
+        # a second member, an anchor member: forked from member 0 at step 875 (5/6 of the run) with seed 1 and trained
+        # 175 steps (~2.5 min) on the one call it answers, every window frame at level K (train.member_top_level_p);
+        # its level-K prediction joins the anchor. Paired on fresh random-action episodes against the plain fork
+        # (lr set back 525 steps, all levels; the default before), frames 17-64 +0.40 dB, 65-120 +0.48, first 4 +0.06
+        # (benchmarks/RESULTS.md, "anchor members")
+        "train.members": 2, "train.member_fork": 5 / 6, "train.member_fork_lr_back": 0.0,
+        "train.member_top_level_p": 1.0,
     },
     # The tiny model with time-based memory (the 4 most recent frames; the main job before pose-aware memory):
     # the baseline a pose-aware run is compared with, and the preset tests of time-based machinery build on.
@@ -69,6 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "model.last_frame_input": False, "model.action_advection": 0, "model.copy_gate": "off",
                   "train.copy_gate_loss": 0.0, "train.copy_gate_detach": False, "train.cpu_ranks": 1,
                   "train.members": 1, "train.member_fork": 0.0, "train.member_fork_lr_back": 0.0,
+                  "train.member_top_level_p": 0.0,
                   "train.max_steps": 1500, "train.val_every": 500, "train.ckpt_every": 500, "train.sample_every": 1500},
     # Paper-scale (Meta-ARVDM's DMLab setting: 64 px, 16-frame windows, long memory); for a GPU.
     "paper": {

@@ -150,10 +150,31 @@ def test_bad_fork_settings_are_refused_naming_the_key(sets, key):
         apply_overrides(get_preset("tiny_time"), ["train.max_steps=6", *sets]).validate()
 
 
+def test_anchor_members_train_at_level_k_and_member_0_as_before(tmp_path, data, monkeypatch):  # noqa: F811
+    from arvdm.training import trainer as trainer_module
+    seen, original = [], trainer_module.diffusion_forcing_loss
+
+    def spy(*a, **kw):
+        top = kw.get("top_levels")
+        seen.append(None if top is None else bool(top.all()))
+        return original(*a, **kw)
+
+    monkeypatch.setattr(trainer_module, "diffusion_forcing_loss", spy)
+    cfg = apply_overrides(get_preset("tiny_time"), ["train.members=3", "train.member_top_level_p=1"]).validate()
+    plan = member_plan(cfg, tmp_path / "plan", resume=False)
+    assert [m.cfg.train.top_level_p for m in plan] == [0.0, 1.0, 1.0]
+    assert [m.cfg.train.member_top_level_p for m in plan] == [1.0, 0.0, 0.0]  # members are runs of their own
+    assert cli.main(argv(data, tmp_path / "run", "train.member_top_level_p=1")) == 0
+    assert seen == [None, None, True, True]  # member 0's two steps as without it, member 1's at level K
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ConfigError, match="train.member_top_level_p"):
+            apply_overrides(get_preset("tiny"), [f"train.member_top_level_p={bad}"]).validate()
+
+
 def test_the_tiny_preset_forks_at_step_875_and_one_member_turns_the_fork_off():
     cfg = get_preset("tiny").validate()
-    assert (cfg.train.members, cfg.train.fork_steps()) == (2, (875, 525))
-    assert apply_overrides(get_preset("tiny"), ["train.max_steps=3"]).validate().train.fork_steps() == (2, 2)
+    assert (cfg.train.members, cfg.train.fork_steps(), cfg.train.member_top_level_p) == (2, (875, 0), 1.0)
+    assert apply_overrides(get_preset("tiny"), ["train.max_steps=3"]).validate().train.fork_steps() == (2, 0)
     with pytest.raises(ConfigError, match=r"forks at step 2 of train.max_steps=2.*train.members=1"):
         apply_overrides(get_preset("tiny"), ["train.max_steps=2"]).validate()
     one = apply_overrides(get_preset("tiny"), ["train.max_steps=2", "train.members=1"]).validate()

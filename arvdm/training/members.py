@@ -18,6 +18,11 @@ from scratch, with seed s + k (its own noise and data order from step F on) and 
 (arvdm.training.resume.Fork), and trains steps F+1..max_steps: M members cost one run plus (M - 1)(max_steps - F)
 steps (benchmarks/RESULTS.md, "late fork").
 
+Anchor members (``train.member_top_level_p`` p): a member k >= 1 is only ever asked for its level-K prediction (the
+anchor's call), so members 1.. train with ``train.top_level_p`` = p: that share of their clips puts every window
+frame at level K, the call they answer (tiny: p = 1, forked at step 875 without the lr set back; benchmarks/RESULTS.md,
+"anchor members"). Such a member, sampled alone, has spent its last steps on that one call.
+
 ``--resume`` resumes every member that has a checkpoint (a finished one loads its checkpoint, checked as any
 resume's, and stops at once) and starts the rest; without it a member folder that already holds checkpoints is
 refused (a leftover of another run), as the run folder is.
@@ -49,13 +54,14 @@ class Member(NamedTuple):
 
 
 def member_config(cfg: Config, k: int) -> Config:
-    """Member k's config: the run's for k = 0; a copy with ``train.seed`` + k, ``train.members`` = 1 and no fork
-    otherwise (a run of its own)."""
+    """Member k's config: the run's for k = 0; a copy with ``train.seed`` + k, ``train.members`` = 1, no fork and
+    ``train.top_level_p`` = ``train.member_top_level_p`` otherwise (a run of its own)."""
     if k == 0:
         return cfg
     out = copy.deepcopy(cfg)
     out.train.seed, out.train.members = cfg.train.seed + k, 1
     out.train.member_fork = out.train.member_fork_lr_back = 0.0
+    out.train.top_level_p, out.train.member_top_level_p = cfg.train.member_top_level_p, 0.0
     return out
 
 

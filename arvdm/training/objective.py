@@ -38,16 +38,21 @@ ADVECTION_LOSS_WEIGHT = 1.0  # model.action_advection: the advected last frame's
 
 
 def _window_draws(x0: torch.Tensor, num_levels: int, generator: torch.Generator,
-                  shared_levels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  shared_levels: torch.Tensor | None, top_levels: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The window's levels (B, w) in 0..K, one per frame (diffusion forcing), and noise like ``x0`` (B, w, C, H, W),
     drawn in that order from ``generator``, on x0's device. ``shared_levels`` (B,) bool (train.shared_level_p; the
     trainer's coins, nothing drawn here): those clips' frames all take their first frame's level, the pattern a
     chunked rollout's window has (every frame at K, then every frame one step lower), which independent levels
-    almost never show (all 4 frames of a window within the top 5% of levels: 5%^4)."""
+    almost never show (all 4 frames of a window within the top 5% of levels: 5%^4). ``top_levels`` (B,) bool
+    (train.top_level_p): those clips' frames all sit at level K, the one call an anchor member answers
+    (arvdm.pipeline.anchor.AnchorEnsemble); it wins over ``shared_levels``. Neither draws anything."""
     b, w = x0.shape[:2]
     levels = torch.randint(0, num_levels + 1, (b, w), generator=generator, device=generator.device)
     if shared_levels is not None:
         levels = torch.where(shared_levels.to(levels.device)[:, None], levels[:, :1], levels)  # (B, w)
+    if top_levels is not None:
+        levels = torch.where(top_levels.to(levels.device)[:, None], num_levels, levels)  # (B, w)
     noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=x0.dtype)
     return levels.to(x0.device), noise.to(x0.device)
 
@@ -58,7 +63,8 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
                            ages: torch.Tensor | None = None, context_noise_max: int = 0, memory_dropout: float = 0.0,
                            drop_memory: bool | None = None, copy_gate_loss: float = 0.0, copy_gate_detach: bool = False,
                            advection_loss: float = ADVECTION_LOSS_WEIGHT, generated_last: torch.Tensor | None = None,
-                           action_dropout: float = 0.0, shared_levels: torch.Tensor | None = None):
+                           action_dropout: float = 0.0, shared_levels: torch.Tensor | None = None,
+                           top_levels: torch.Tensor | None = None):
     """Sum over frames of the weighted per-frame v-MSE, and how many frames were counted.
 
     video (B, m+w, C, H, W), actions (B, m+w): the first m frames are clean memory, the rest the window.
@@ -89,12 +95,12 @@ def diffusion_forcing_loss(model, diffusion, video: torch.Tensor, actions: torch
     last frame advected along the window's actions (`ActionAdvection`) should be the frame itself (CDNA's
     reconstruction loss), which trains the kernels directly; nothing for a batch without memory. Draws nothing.
     Validation passes 0: its loss stays the v-MSE alone. `action_dropout` p: `_dropped_actions` (action guidance).
-    `shared_levels`: `_window_draws`.
+    `shared_levels`, `top_levels`: `_window_draws`.
     """
     m = memory_length
     x0, act = video[:, m:], actions[:, m:]  # (B, w, C, H, W), (B, w)
     b, w = x0.shape[:2]
-    levels, noise = _window_draws(x0, num_levels, generator, shared_levels)  # (B, w), (B, w, C, H, W)
+    levels, noise = _window_draws(x0, num_levels, generator, shared_levels, top_levels)  # (B, w), (B, w, C, H, W)
     x_t = diffusion.add_noise(x0, noise, levels)  # (B, w, C, H, W)
     target = diffusion.v_target(x0, noise, levels)  # (B, w, C, H, W)
     mem = _memory(diffusion, video[:, :m], actions[:, :m], poses, ages, generator, context_noise_max,

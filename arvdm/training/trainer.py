@@ -214,7 +214,10 @@ class Trainer:
                                                           action_dropout=tc.action_dropout,
                                                           shared_levels=self._coins("shared_level", i, len(video),
                                                                                     tc.shared_level_p)
-                                                          if tc.shared_level_p > 0 else None)
+                                                          if tc.shared_level_p > 0 else None,
+                                                          top_levels=self._coins("top_level", i, len(video),
+                                                                                 tc.top_level_p)
+                                                          if tc.top_level_p > 0 else None)
                     total.backward()
                 total_sum += total.detach().float()
                 count_sum += count.detach().float()
