@@ -70,7 +70,7 @@ def test_top_clips_sit_at_level_k_with_the_same_noise_and_draw_nothing_more():
     assert torch.equal(lv_both[1], torch.full((W,), K)) and torch.equal(lv_both[0], lv_plain[0, :1].expand(W))
 
 
-@pytest.mark.parametrize("key", ["shared_level_p", "top_level_p"])
+@pytest.mark.parametrize("key", ["shared_level_p", "top_level_p", "member_top_level_p"])
 def test_level_shares_are_checked(key):
     for bad in (-0.5, 2, math.nan):
         with pytest.raises(ConfigError, match=rf"train\.{key}"):
