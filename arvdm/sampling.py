@@ -106,7 +106,8 @@ def sample_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, settings:
     paths["metrics"], summary = write_metrics(out / "metrics.csv", gen, real, context, cmp)
     summary["schedule"] = schedule.name
     if cmp is not None:
-        summary.update(first_frames=cmp["first_frames"], gradient_ratio_first16=cmp["gradient_ratio_first16"],
+        summary.update(first_frames=cmp["first_frames"], first_frames_minus=cmp["first_frames_minus"],
+                       gradient_ratio_first16=cmp["gradient_ratio_first16"],
                        verdict=cmp["verdict"]["message"])
     if context >= 1:  # the frames only memory can supply (recent = the memory length: beyond any time window)
         summary["revisits"] = revisit_score(gen, real, context, recent=max(cfg.memory.length, 1), poses=poses)

@@ -6,7 +6,13 @@ import math
 import pytest
 import torch
 
-from arvdm.evaluation.baselines import baseline_frames, compare_with_baselines, gradient_ratio_by_span, verdict
+from arvdm.evaluation.baselines import (
+    baseline_frames,
+    compare_with_baselines,
+    first_frames_difference,
+    gradient_ratio_by_span,
+    verdict,
+)
 from arvdm.evaluation.evaluate import evaluate_rollout
 from arvdm.evaluation.metrics import PSNR_CAP, spatial_gradient_per_frame, write_metrics_csv
 
@@ -77,6 +83,37 @@ def test_verdict_flags_a_model_that_loses_or_is_noisy():
     noisy = verdict(first(22.0, 20.0), 3.0)
     assert not noisy["sharp"] and "NOISY" in noisy["message"]
     assert "BLURRY" in verdict(first(22.0, 20.0), 0.3)["message"]
+
+
+def test_first_frames_difference_is_paired_by_episode_with_known_interval():
+    # every frame of episode 0 beats the baseline by 2 dB, of episode 1 by 4 dB: the mean is 3 and resampling
+    # two episodes can only give means 2, 3 or 4, so the 95% interval is exactly [2, 4]
+    base = torch.tensor([[20.0, 21.0, 22.0, 23.0, 24.0], [10.0, 12.0, 14.0, 16.0, 18.0]])
+    model = base + torch.tensor([[2.0], [4.0]])
+    d = first_frames_difference(model, base, ks=(1, 4, 16))
+    assert set(d) == {"1", "4"}  # 16 > N frames: not reported
+    assert (d["4"]["mean"], d["4"]["lo"], d["4"]["hi"]) == pytest.approx((3.0, 2.0, 4.0))
+    assert d["4"]["n_events"] == 2 and d["4"]["n_probes"] == 8
+    assert d["1"]["mean_a"] == pytest.approx((22.0 + 14.0) / 2) and d["1"]["mean_b"] == pytest.approx(15.0)
+    # inf (an exact frame) is clipped at the cap, as first_frames is
+    exact = torch.tensor([[math.inf, 30.0]])
+    assert first_frames_difference(exact, torch.tensor([[40.0, 30.0]]))["1"]["mean"] == pytest.approx(PSNR_CAP - 40)
+
+
+def test_verdict_quotes_the_paired_difference_against_copy_last():
+    g = torch.Generator().manual_seed(2)
+    real = torch.rand(3, 9, 3, 12, 12, generator=g) * 2 - 1
+    gen = (real[:, 4:] + 0.05 * torch.randn(3, 5, 3, 12, 12, generator=g)).clamp(-1, 1)  # close to the truth
+    r = compare_with_baselines(gen, real, context=4)
+    diff = r["first_frames_minus"]["copy_last"]["4"]
+    first = r["first_frames"]
+    # the paired mean is the difference of the two means, and the verdict carries and quotes it
+    assert diff["mean"] == pytest.approx(first["model"]["psnr"]["4"] - first["copy_last"]["psnr"]["4"])
+    assert diff["lo"] <= diff["mean"] <= diff["hi"] and diff["n_events"] == 3
+    assert r["verdict"]["difference"] == diff
+    assert f"{diff['mean']:+.2f} [{diff['lo']:+.2f}, {diff['hi']:+.2f}] dB paired over 3 episodes" in r["verdict"]["message"]
+    ctx = r["first_frames_minus"]["context_mean"]["1"]
+    assert ctx["mean"] == pytest.approx(first["model"]["psnr"]["1"] - first["context_mean"]["psnr"]["1"])
 
 
 def test_first_frames_clip_an_exact_copy_last_at_the_psnr_cap():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from arvdm.evaluation.metrics import (
@@ -28,9 +29,10 @@ from arvdm.evaluation.metrics import (
     ssim_per_frame,
     summarise_by_span,
 )
+from arvdm.evaluation.probes import format_interval, paired_difference
 
 __all__ = ["BASELINES", "FIRST_FRAMES", "SHARPNESS_FRAMES", "SHARP_RANGE", "VERDICT_FRAMES", "baseline_frames",
-           "compare_with_baselines", "first_frames_mean", "gradient_ratio_by_span", "summed_gradient_ratio",
+           "compare_with_baselines", "first_frames_difference", "first_frames_mean", "gradient_ratio_by_span", "summed_gradient_ratio",
            "verdict"]
 
 BASELINES = ("copy_last", "context_mean")
@@ -67,6 +69,20 @@ def first_frames_mean(per_frame: Tensor, ks=FIRST_FRAMES) -> dict[str, float]:
     return {str(k): float(per_frame[..., :k].double().mean()) for k in ks if k <= n}
 
 
+def first_frames_difference(model: Tensor, base: Tensor, ks=FIRST_FRAMES, n_boot: int = 1000,
+                            seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Model minus a baseline over the first k frames, paired by episode, for each k <= N: {"1": .., "4": ..}.
+
+    model, base: (B, N) per-frame PSNR of the same episodes, clipped at ``PSNR_CAP`` here (as ``first_frames``).
+    Each value is ``arvdm.evaluation.probes.paired_difference``: the mean difference (= the two ``first_frames``
+    means' difference) with a 95% interval from resampling whole episodes, and each side's mean.
+    """
+    m, b = (x.clamp(max=PSNR_CAP).double().cpu() for x in (model, base))  # (B, N) each
+    episode = torch.arange(m.shape[0])[:, None].expand_as(m)  # (B, N): each frame's episode
+    return {str(k): paired_difference(m[:, :k].numpy(), b[:, :k].numpy(), episode[:, :k].numpy(), n_boot, seed)
+            for k in ks if k <= m.shape[-1]}
+
+
 def gradient_ratio_by_span(gen: Tensor, real: Tensor, span: int = 16) -> list[dict[str, Any]]:
     """Spatial-gradient ratio generated / real per span of frames: sum of mean |∇| over the span's frames
     and episodes, generated over real. gen, real: (B, N, C, H, W) aligned frame for frame.
@@ -96,6 +112,8 @@ def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 
         A JSON-ready dict: ``first_frames`` (PSNR/SSIM of model and baselines over the first 1/4/16 frames;
         per-frame PSNR clipped at ``PSNR_CAP`` first, so that an episode where the agent stands still, whose
         copy-last frames are exact, counts as 60 dB instead of making the mean, and the verdict, infinite),
+        ``first_frames_minus`` (per baseline: the model's PSNR minus the baseline's over the first 1/4/16 frames,
+        paired by episode with an interval, ``first_frames_difference``),
         ``baselines`` (per baseline: psnr_by_span, ssim_by_span, psnr_curve, ssim_curve),
         ``gradient_ratio_by_span``, ``gradient_ratio_curve`` (per frame, over all episodes),
         ``gradient_ratio_first16`` and ``verdict`` (``beats_copy_last``, ``sharp``, ``message``).
@@ -118,24 +136,32 @@ def compare_with_baselines(gen: Tensor, real: Tensor, context: int, span: int = 
     g16 = summed_gradient_ratio(g, r, 0, SHARPNESS_FRAMES)
     first = {name: {"psnr": first_frames_mean(psnr[name].clamp(max=PSNR_CAP)), "ssim": first_frames_mean(ssim[name])}
              for name in ("model", *BASELINES)}
-    return {"first_frames": first, "baselines": baselines, "gradient_ratio_by_span": _ratio_by_span(g, r, span),
+    minus = {kind: first_frames_difference(psnr["model"], psnr[kind]) for kind in BASELINES}
+    return {"first_frames": first, "first_frames_minus": minus, "baselines": baselines,
+            "gradient_ratio_by_span": _ratio_by_span(g, r, span),
             "gradient_ratio_curve": [summed_gradient_ratio(g, r, i, i + 1) for i in range(n)],
-            "gradient_ratio_first16": g16, "verdict": verdict(first, g16)}
+            "gradient_ratio_first16": g16, "verdict": verdict(first, g16, minus["copy_last"])}
 
 
-def verdict(first: dict[str, Any], gradient_ratio: float) -> dict[str, Any]:
-    """Whether the model beats copy-last over the first frames and is sharp, with a sentence saying so."""
+def verdict(first: dict[str, Any], gradient_ratio: float,
+            minus_copy_last: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Whether the model beats copy-last over the first frames (in the mean: at or above) and is sharp, with a
+    sentence saying so; ``minus_copy_last`` (``first_frames_difference`` against copy-last) adds the paired
+    difference and its interval to the sentence and to the result (``difference``)."""
     key = str(VERDICT_FRAMES) if str(VERDICT_FRAMES) in first["model"]["psnr"] else "1"
     model, copy = first["model"]["psnr"][key], first["copy_last"]["psnr"][key]
     beats = model >= copy
     lo, hi = SHARP_RANGE
     sharp = lo <= gradient_ratio <= hi
     texture = "sharp" if sharp else ("NOISY" if gradient_ratio > hi else "BLURRY")
+    diff = (minus_copy_last or {}).get(key)
+    paired = (f"; {format_interval(diff)} dB paired over {diff['n_events']} episode{'s' * (diff['n_events'] != 1)}"
+              if diff else "")
     head = (f"model {'beats' if beats else 'LOSES TO'} copy-last over the first {key} generated frames "
-            f"({model:.2f} vs {copy:.2f} dB)")
+            f"({model:.2f} vs {copy:.2f} dB{paired})")
     tail = (f"; frames are {texture} (spatial-gradient ratio {gradient_ratio:.2f} over the first {SHARPNESS_FRAMES}, "
             f"want {lo}-{hi})")
     warn = "" if beats and sharp else (" — its error curves and retrieval rates measure a model that has not "
                                        "learned this video; do not read them as results")
     return {"beats_copy_last": beats, "sharp": sharp, "frames": int(key), "model_psnr": model,
-            "copy_last_psnr": copy, "message": head + tail + warn}
+            "copy_last_psnr": copy, "difference": diff, "message": head + tail + warn}
