@@ -3,6 +3,7 @@
     python benchmarks/train_speed.py                          # tiny, this CPU: fp32 vs as configured (bf16 if native)
     python benchmarks/train_speed.py --modes eager compiled   # eager vs torch.compile (minutes of compile time)
     python benchmarks/train_speed.py --preset paper --device cuda --peak-tflops 989   # bf16 on an H100/H200
+    python benchmarks/train_speed.py --modes fp32 --profile 4  # where a step's time goes, by op and input shape
 
 Each mode is the real Trainer's `train_step` (forward, backward, AdamW, EMA): `eager` as configured (bf16
 autocast when train.bf16 and the device has native bf16: CUDA, a CPU with AVX512-BF16/AMX), `fp32` the same
@@ -10,7 +11,9 @@ with train.bf16 off, `compiled` as configured under torch.compile; on a few batc
 set, loaded once and cycled (the cost of a step does not depend on the pixels; the loader is measured by
 benchmarks/data_throughput.py). Warm-up steps (where torch.compile compiles) are untimed; then the modes take
 turns, `--steps` steps per turn for `--rounds` rounds, and each reports its median turn, so load on a shared
-machine hits them alike. FLOPs per step are counted once with torch.utils.flop_counter (matmuls, convolutions,
+machine hits them alike. `--profile N` then runs N more steps of each mode under torch.profiler and prints its
+costliest ops (self time per step, grouped by input shape) and the step's time by kind of op (convolutions,
+matmuls, attention, the rest): the answer to "can kernels make this much faster". FLOPs per step are counted once with torch.utils.flop_counter (matmuls, convolutions,
 attention; forward + backward), which gives achieved TFLOP/s and, with --peak-tflops (or a known GPU), MFU.
 frames/s counts window frames (the ones with a loss): batch_size x window per step; memory frames are extra
 input on top.
@@ -88,6 +91,48 @@ def count_step_flops(trainer: Trainer, batch: dict) -> int:
     return counter.get_total_flops()
 
 
+# torch.profiler op names -> the kind of work they are, for the per-kind shares (`--profile`)
+OP_KINDS = (("convolution", ("conv",)), ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+            ("attention", ("attention",)), ("normalisation", ("norm",)), ("activation", ("gelu", "silu")),
+            ("copies / cat", ("aten::copy_", "aten::cat")), ("optimizer", ("Optimizer", "lerp", "addcdiv", "sqrt")))
+
+
+def op_kind(name: str) -> str:
+    """The kind of an aten op (`OP_KINDS`), "other" when none matches."""
+    for kind, keys in OP_KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def profile_steps(trainer: Trainer, batches: list, steps: int, top: int = 12) -> str:
+    """Where `steps` training steps spend their time, as lines to print: the `top` costliest ops by self time
+    (grouped by input shape) and the shares per kind of op, each per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        for i in range(steps):
+            loss, _ = trainer.train_step(batches[i % len(batches)])
+        loss.item()
+    cuda = trainer.device.type == "cuda"
+    events = [e for e in prof.key_averages(group_by_input_shape=True) if not e.key.startswith("autograd::")]
+    self_us = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(self_us(e) for e in events) or 1.0
+    lines = [f"  profile of {steps} steps ({'device' if cuda else 'CPU'} self time, "
+             f"{total / steps / 1e3:.1f} ms per step):"]
+    for e in sorted(events, key=self_us, reverse=True)[:top]:
+        shapes = ", ".join(str(tuple(x)) for x in e.input_shapes if x)[:80]
+        lines.append(f"    {self_us(e) / steps / 1e3:8.1f} ms {100 * self_us(e) / total:5.1f}%  {e.count // steps:4d}x  "
+                     f"{e.key[:40]:<40} {shapes}")
+    kinds: dict[str, float] = {}
+    for e in events:
+        kinds[op_kind(e.key)] = kinds.get(op_kind(e.key), 0.0) + self_us(e)
+    lines.append("  by kind: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in
+                                          sorted(kinds.items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny")
@@ -98,7 +143,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="turns per mode")
     p.add_argument("--device", default=None)
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak (bf16) TFLOP/s, for MFU")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then profile N steps of each mode: costliest ops and the time by kind of op")
     args = p.parse_args()
+    if args.profile < 0:
+        p.error(f"--profile must be >= 0 steps, got {args.profile}")
 
     base = apply_overrides(get_preset(args.preset), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,6 +183,8 @@ def main() -> None:
                 sync()
                 turns[mode].append((time.perf_counter() - t0) / args.steps)
         flops = count_step_flops(first, batches[0])
+        profiles = {mode: profile_steps(trainer, batches, args.profile)
+                    for mode, trainer in trainers.items()} if args.profile else {}
     cfg = base
     n_params = sum(p.numel() for p in first.model.parameters())
     peak = peak_tflops(dev, args.peak_tflops)
@@ -162,6 +213,8 @@ def main() -> None:
               f"(median of {args.rounds} alternating turns of {args.steps} steps)")
     if peak:
         print(f"  MFU against {peak:g} TFLOP/s peak")
+    for mode, text in profiles.items():
+        print(f"{mode}:\n{text}")
 
 
 if __name__ == "__main__":
