@@ -133,7 +133,7 @@ def profile_steps(trainer: Trainer, batches: list, steps: int, top: int = 12) ->
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -148,7 +148,11 @@ def main() -> None:
     args = p.parse_args()
     if args.profile < 0:
         p.error(f"--profile must be >= 0 steps, got {args.profile}")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     base = apply_overrides(get_preset(args.preset), args.overrides)
     with tempfile.TemporaryDirectory() as tmp:
         base.data.path = str(synthetic_data(Path(tmp) / "data", base))
