@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     from arvdm.errors import USER_ERRORS
     from arvdm.training import DistributedError, train
     from arvdm.training.distributed import cleanup_distributed, setup_distributed
-    from arvdm.training.members import member_plan
+    from arvdm.training.members import member_plan, record_members
 
     launched = os.environ.get(MEMBER_ENV)  # set in the ranks launched for one member of the run
     try:
@@ -145,6 +145,12 @@ def main(argv=None) -> int:
                     return rc
             else:
                 train(m.cfg, m.folder, resume=m.resume, generate_data=not args.data, device=args.device, fork=m.fork)
+        # every member trained: member 0's newest checkpoint tells the sampler how many there are (a resume may have
+        # changed train.members after member 0 finished; arvdm.training.members.record_members)
+        changed = None if launched or os.environ.get("RANK", "0") != "0" else record_members(out, cfg.train.members)
+        if changed:
+            print(f"train.py: {out} has {cfg.train.members} member(s) now (train.members recorded in {changed})",
+                  file=sys.stderr)
     except DistributedError as e:  # another rank died or hung: say so instead of a traceback or a hang
         print(f"train.py: error: {e}", file=sys.stderr)
         # leave now: at interpreter exit gloo's threads may still hold the dead peer's socket, and their teardown can

@@ -77,6 +77,26 @@ def test_members_train_resume_exactly_and_join_the_anchor(tmp_path, data, determ
         with_anchor_runs(model, (str(one),), 0.0, run=run)
 
 
+def test_a_finished_run_grows_by_a_member_that_the_sampler_then_uses(tmp_path, data, capsys):  # noqa: F811
+    run = tmp_path / "run"
+    assert cli.main(argv(data, run, "train.members=1")) == 0
+    first = weights(latest_checkpoint(run))
+    capsys.readouterr()
+    # member 0 is finished: the resume trains member 1 alone and records the new count in member 0's checkpoint
+    assert cli.main(argv(data, run, "train.members=1") + ["--resume", "--set", "train.members=2"]) == 0
+    assert f"{run} has 2 member(s) now" in capsys.readouterr().err
+    assert_same(weights(latest_checkpoint(run)), first)  # member 0's weights untouched
+    model, cfg = load_for_inference(run)
+    assert cfg.train.members == 2 and member_folders(run, cfg) == (str(member_folder(run, 1)),)
+    assert len(with_anchor_runs(model, (), 1.0, run=run).members) == 2
+    # and back: one member again, the sampler leaves member 1 out; already recorded: nothing rewritten or said
+    assert cli.main(argv(data, run, "train.members=1") + ["--resume"]) == 0
+    assert load_for_inference(run)[1].train.members == 1
+    capsys.readouterr()
+    assert cli.main(argv(data, run, "train.members=1") + ["--resume"]) == 0
+    assert "member(s) now" not in capsys.readouterr().err
+
+
 def test_leftover_and_unfinished_members_are_refused_naming_the_fix(tmp_path, data, capsys):  # noqa: F811
     run = tmp_path / "run"
     assert cli.main(argv(data, run, "train.members=1")) == 0

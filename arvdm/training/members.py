@@ -25,7 +25,9 @@ frame at level K, the call they answer (tiny: p = 1, forked at step 875 without 
 
 ``--resume`` resumes every member that has a checkpoint (a finished one loads its checkpoint, checked as any
 resume's, and stops at once) and starts the rest; without it a member folder that already holds checkpoints is
-refused (a leftover of another run), as the run folder is.
+refused (a leftover of another run), as the run folder is. So a finished run grows by a member with ``--resume --set
+train.members=M+1``: member M trains (forked as the run's others were) and ``record_members`` writes the new count
+into member 0's newest checkpoint, whose config tells the sampler how many members join the anchor.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import os
 from typing import NamedTuple
 
 from arvdm.config import Config
-from arvdm.model.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint
+from arvdm.model.checkpoint import CONFIG_NAME, CheckpointError, checkpoint_dir, latest_checkpoint, load_config
 from arvdm.pipeline.runs import member_folder
 from arvdm.training.resume import Fork
+from data.atomic import atomic_write
 
-__all__ = ["Member", "member_config", "member_plan"]
+__all__ = ["Member", "member_config", "member_plan", "record_members"]
 
 
 class Member(NamedTuple):
@@ -80,3 +83,22 @@ def member_plan(cfg: Config, run_dir: str | os.PathLike, resume: bool, only: int
         fork = Fork(checkpoint_dir(run_dir, step), back) if k and step else None
         plan.append(Member(k, member_config(cfg, k), str(folder), own, None if own else fork))
     return plan
+
+
+def record_members(run_dir: str | os.PathLike, members: int) -> str | None:
+    """Make member 0's newest checkpoint in ``run_dir`` say the run has ``members`` members (``train.members``),
+    after train.py has trained them all. Member 0's config is what ``sample.py --run`` reads to find members
+    1..M-1 (``arvdm.pipeline.runs.member_folders``); a resume that changes ``train.members`` after member 0 has
+    finished writes no checkpoint of member 0, so without this the sampler would not see the change. Only
+    ``train.members`` is rewritten (atomically); the weights and every other setting stay as trained. Returns the
+    checkpoint rewritten, or None when it already said so (or there is none)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return None
+    saved = load_config(ckpt)
+    if saved.train.members == members:
+        return None
+    saved.train.members = members
+    text = saved.validate().to_json()
+    atomic_write(ckpt / CONFIG_NAME, lambda p: p.write_text(text))
+    return str(ckpt)
