@@ -13,8 +13,9 @@ benchmarks/data_throughput.py). Warm-up steps (where torch.compile compiles) are
 turns, `--steps` steps per turn for `--rounds` rounds, and each reports its median turn, so load on a shared
 machine hits them alike. `--profile N` then runs N more steps of each mode under torch.profiler and prints its
 costliest ops (self time per step, grouped by input shape) and the step's time by kind of op (convolutions,
-matmuls, attention, the rest): the answer to "can kernels make this much faster". FLOPs per step are counted once with torch.utils.flop_counter (matmuls, convolutions,
-attention; forward + backward), which gives achieved TFLOP/s and, with --peak-tflops (or a known GPU), MFU.
+matmuls, attention, the rest): the answer to "can kernels make this much faster". FLOPs per step are counted
+once with torch.utils.flop_counter (matmuls, convolutions, attention; forward + backward), which gives achieved
+TFLOP/s and, with --peak-tflops (or a known GPU), MFU.
 frames/s counts window frames (the ones with a loss): batch_size x window per step; memory frames are extra
 input on top.
 """
@@ -123,8 +124,8 @@ def profile_steps(trainer: Trainer, batches: list, steps: int, top: int = 12) ->
              f"{total / steps / 1e3:.1f} ms per step):"]
     for e in sorted(events, key=self_us, reverse=True)[:top]:
         shapes = ", ".join(str(tuple(x)) for x in e.input_shapes if x)[:80]
-        lines.append(f"    {self_us(e) / steps / 1e3:8.1f} ms {100 * self_us(e) / total:5.1f}%  {e.count // steps:4d}x  "
-                     f"{e.key[:40]:<40} {shapes}")
+        lines.append(f"    {self_us(e) / steps / 1e3:8.1f} ms {100 * self_us(e) / total:5.1f}%  "
+                     f"{e.count // steps:4d}x  {e.key[:40]:<40} {shapes}")
     kinds: dict[str, float] = {}
     for e in events:
         kinds[op_kind(e.key)] = kinds.get(op_kind(e.key), 0.0) + self_us(e)

@@ -111,7 +111,8 @@ def test_verdict_quotes_the_paired_difference_against_copy_last():
     assert diff["mean"] == pytest.approx(first["model"]["psnr"]["4"] - first["copy_last"]["psnr"]["4"])
     assert diff["lo"] <= diff["mean"] <= diff["hi"] and diff["n_events"] == 3
     assert r["verdict"]["difference"] == diff
-    assert f"{diff['mean']:+.2f} [{diff['lo']:+.2f}, {diff['hi']:+.2f}] dB paired over 3 episodes" in r["verdict"]["message"]
+    quoted = f"{diff['mean']:+.2f} [{diff['lo']:+.2f}, {diff['hi']:+.2f}] dB paired over 3 episodes"
+    assert quoted in r["verdict"]["message"]
     ctx = r["first_frames_minus"]["context_mean"]["1"]
     assert ctx["mean"] == pytest.approx(first["model"]["psnr"]["1"] - first["context_mean"]["psnr"]["1"])
 

@@ -36,6 +36,7 @@ def test_profile_of_a_small_step_adds_up(tmp_path):
     text = profile_steps(trainer, batches, steps=1, top=5)
     lines = text.splitlines()
     assert lines[0].startswith("  profile of 1 steps (CPU self time") and len(lines) == 1 + 5 + 1
-    shares = dict((k.strip(), int(v)) for k, v in re.findall(r"([a-z /]+) (\d+)%", lines[-1].removeprefix("  by kind: ")))
+    kinds = lines[-1].removeprefix("  by kind: ")
+    shares = {k.strip(): int(v) for k, v in re.findall(r"([a-z /]+) (\d+)%", kinds)}
     assert abs(sum(shares.values()) - 100) <= len(shares)  # each share rounded to a whole percent
     assert max(shares, key=shares.get) in ("convolution", "matmul")

@@ -32,8 +32,8 @@ from arvdm.evaluation.metrics import (
 from arvdm.evaluation.probes import format_interval, paired_difference
 
 __all__ = ["BASELINES", "FIRST_FRAMES", "SHARPNESS_FRAMES", "SHARP_RANGE", "VERDICT_FRAMES", "baseline_frames",
-           "compare_with_baselines", "first_frames_difference", "first_frames_mean", "gradient_ratio_by_span", "summed_gradient_ratio",
-           "verdict"]
+           "compare_with_baselines", "first_frames_difference", "first_frames_mean", "gradient_ratio_by_span",
+           "summed_gradient_ratio", "verdict"]
 
 BASELINES = ("copy_last", "context_mean")
 FIRST_FRAMES = (1, 4, 16)  # the "first k generated frames" the headline table reports
