@@ -111,12 +111,12 @@ def profile_steps(trainer: Trainer, batches: list, steps: int, top: int = 12) ->
     (grouped by input shape) and the shares per kind of op, each per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=True) as prof:
         for i in range(steps):
             loss, _ = trainer.train_step(batches[i % len(batches)])
         loss.item()
-    cuda = trainer.device.type == "cuda"
     events = [e for e in prof.key_averages(group_by_input_shape=True) if not e.key.startswith("autograd::")]
     self_us = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     total = sum(self_us(e) for e in events) or 1.0
@@ -128,7 +128,8 @@ def profile_steps(trainer: Trainer, batches: list, steps: int, top: int = 12) ->
                      f"{e.count // steps:4d}x  {e.key[:40]:<40} {shapes}")
     kinds: dict[str, float] = {}
     for e in events:
-        kinds[op_kind(e.key)] = kinds.get(op_kind(e.key), 0.0) + self_us(e)
+        kind = op_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + self_us(e)
     lines.append("  by kind: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in
                                           sorted(kinds.items(), key=lambda kv: -kv[1])))
     return "\n".join(lines)
